@@ -1,0 +1,199 @@
+"""activate() / deactivate() / report(): choose the patch set for the installed versions and run the engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+
+from .engine import Engine, PatchError, Selection, load_patch_sets, select_patch_set
+from .engine.declarations import PatchSet
+
+logger = logging.getLogger("accel_fp8_fix")
+
+OFF_VALUES = ("0", "false", "no", "off")
+ON_VALUES = ("1", "true", "yes", "on")
+
+
+class UnsupportedVersionError(RuntimeError):
+    """Strict mode: the installed versions are outside every declared window."""
+
+
+def env_flag(name: str) -> bool | None:
+    """True / False for a set variable, None when unset or empty."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in OFF_VALUES:
+        return False
+    return True
+
+
+def activation_mode() -> str:
+    """How this process asked for activation (for report() and doctor)."""
+    if env_flag("ACCEL_FP8_FIX") is False:
+        return "disabled by ACCEL_FP8_FIX=0"
+    if env_flag("ACCELERATE_FP8_ACCEL_FP8_FIX"):
+        return "accelerate config (fp8_config: {accel_fp8_fix: true})"
+    if env_flag("ACCEL_FP8_FIX"):
+        return "environment (ACCEL_FP8_FIX=1)"
+    return "import accel_fp8_fix"
+
+
+@dataclass
+class _State:
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    engines: dict = field(default_factory=dict)  # (kind, set name) -> Engine
+    selection: Selection | None = None
+    engine: Engine | None = None
+    mode: str = "inactive"
+    strict: bool = False
+
+
+_state = _State()
+
+
+def _strict_from_env() -> bool:
+    return bool(env_flag("ACCEL_FP8_FIX_STRICT"))
+
+
+def choose_patch_set(kind: str = "fix", versions: dict | None = None) -> Selection:
+    """The patch set for the installed (or given) versions; ``ACCEL_FP8_FIX_PATCH_SET`` forces one by name."""
+    sets = load_patch_sets()
+    forced = os.environ.get("ACCEL_FP8_FIX_PATCH_SET", "").strip() if kind == "fix" else ""
+    if forced:
+        by_name = {s.name: s for s in sets if s.kind == kind}
+        if forced not in by_name:
+            return Selection(
+                kind, None, f"ACCEL_FP8_FIX_PATCH_SET={forced!r} names no {kind} set (known: {sorted(by_name)})",
+                versions or {}, list(by_name.values()),
+            )
+        chosen = by_name[forced]
+        return Selection(kind, chosen, f"forced by ACCEL_FP8_FIX_PATCH_SET={forced}", versions or {}, [chosen])
+    return select_patch_set(sets, kind, versions)
+
+
+def engine_for(patch_set: PatchSet) -> Engine:
+    """One engine per patch set for the life of the process (wrapt import hooks cannot be removed)."""
+    key = (patch_set.kind, patch_set.name)
+    with _state.lock:
+        if key not in _state.engines:
+            _state.engines[key] = Engine(patch_set)
+        return _state.engines[key]
+
+
+def activate(strict: bool | None = None):
+    """Select the patch set for the installed versions and apply it (now, or when accelerate is imported).
+
+    Idempotent. Unsupported versions: a warning and nothing patched, or UnsupportedVersionError when
+    ``strict`` (or ``ACCEL_FP8_FIX_STRICT=1``). ``ACCEL_FP8_FIX=0`` makes this a no-op.
+    """
+    strict = _strict_from_env() if strict is None else strict
+    with _state.lock:
+        if env_flag("ACCEL_FP8_FIX") is False:
+            _state.mode = activation_mode()
+            logger.info("accel_fp8_fix: not activated (ACCEL_FP8_FIX=0)")
+            return report()
+        if _state.engine is not None and _state.engine.active:
+            return report()
+        _state.strict = strict
+        _state.mode = activation_mode()
+        selection = _state.selection = choose_patch_set("fix")
+        if not selection.supported:
+            message = f"accel_fp8_fix: nothing patched: {selection.reason}"
+            if strict:
+                raise UnsupportedVersionError(message)
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return report()
+        _state.engine = engine_for(selection.patch_set)
+        _state.engine.activate(strict=strict)
+        return report()
+
+
+def deactivate():
+    """Undo every patch this package applied (exactly); foreign wrappers on top are kept and reported."""
+    with _state.lock:
+        if _state.engine is None:
+            return report()
+        _state.engine.deactivate()  # warns about foreign wrappers it had to leave in place
+        _state.mode = "deactivated"
+        return report()
+
+
+def active_patch_set() -> str | None:
+    """Name of the applied fix set, or None (used by the rank-agreement check)."""
+    engine = _state.engine
+    return engine.patch_set.name if engine is not None and engine.applied else None
+
+
+@dataclass
+class Report:
+    mode: str
+    strict: bool
+    patch_set: str | None
+    reason: str
+    versions: dict
+    patches: list  # dicts: target, status, detail, fixes, why
+    error: str = ""
+
+    @property
+    def applied(self) -> bool:
+        return any(p["status"] == "applied" for p in self.patches)
+
+    def as_dict(self) -> dict:
+        return {
+            "mode": self.mode,
+            "strict": self.strict,
+            "patch_set": self.patch_set,
+            "reason": self.reason,
+            "versions": self.versions,
+            "patches": self.patches,
+            "error": self.error,
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"activation : {self.mode}{' (strict)' if self.strict else ''}",
+            f"patch set  : {self.patch_set or 'none'}",
+            f"why        : {self.reason or '-'}",
+            "versions   : " + (", ".join(f"{k} {v or 'not installed'}" for k, v in self.versions.items()) or "-"),
+        ]
+        if self.error:
+            lines.append(f"error      : {self.error}")
+        for p in self.patches:
+            detail = f"  ({p['detail']})" if p["detail"] else ""
+            lines.append(f"  [{p['status']:>8}] {p['target']}  {','.join(p['fixes'])}{detail}")
+        return "\n".join(lines)
+
+
+def report() -> Report:
+    """Which set, why, which targets are applied or pending, versions seen."""
+    with _state.lock:
+        selection, engine = _state.selection, _state.engine
+        patches = []
+        if engine is not None:
+            patches = [
+                {
+                    "target": s.spec.target,
+                    "status": s.status,
+                    "detail": s.detail,
+                    "fixes": list(s.spec.fixes),
+                    "why": s.spec.why,
+                }
+                for s in engine.states
+            ]
+        return Report(
+            mode=_state.mode,
+            strict=_state.strict,
+            patch_set=engine.patch_set.name if engine is not None else None,
+            reason=selection.reason if selection is not None else "",
+            versions=dict(selection.versions) if selection is not None else {},
+            patches=patches,
+            error=engine.error if engine is not None else "",
+        )
+
+
+__all__ = ["activate", "deactivate", "report", "Report", "UnsupportedVersionError", "PatchError", "choose_patch_set"]

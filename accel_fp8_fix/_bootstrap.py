@@ -1,0 +1,15 @@
+"""Imported at interpreter start-up by the ``accel_fp8_fix.pth`` trampoline, only when one of
+``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX`` (the accelerate config flag) or
+``ACCEL_FP8_FIX_EMULATE_TE`` is set. Importing the package activates the fixes (unless ACCEL_FP8_FIX=0);
+the emulation flag also installs the Transformer Engine emulation and the CPU rehearsal gates."""
+
+import os
+
+import accel_fp8_fix  # noqa: F401  (activates, unless ACCEL_FP8_FIX=0)
+from accel_fp8_fix._api import env_flag
+
+if env_flag("ACCEL_FP8_FIX_EMULATE_TE"):
+    from accel_fp8_fix.emulation import install, rehearsal
+
+    install(force=os.environ["ACCEL_FP8_FIX_EMULATE_TE"].strip().lower() == "force")
+    rehearsal.activate()

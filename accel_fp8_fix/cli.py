@@ -1,0 +1,83 @@
+"""``accel-fp8-fix doctor``: versions, the chosen patch set and why, what will be patched, activation mode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import _api
+from .engine import installed_versions
+from .engine.declarations import declarations_dir
+
+WATCHED = ("accelerate", "torch", "transformer-engine", "transformers", "wrapt", "packaging")
+ENV_VARS = (
+    "ACCEL_FP8_FIX",
+    "ACCELERATE_FP8_ACCEL_FP8_FIX",
+    "ACCEL_FP8_FIX_STRICT",
+    "ACCEL_FP8_FIX_PATCH_SET",
+    "ACCEL_FP8_FIX_EMULATE_TE",
+)
+
+
+def _pth_installed() -> bool:
+    import site
+
+    dirs = list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
+    return any(os.path.exists(os.path.join(d, "accel_fp8_fix.pth")) for d in dirs)
+
+
+def doctor(as_json: bool = False) -> int:
+    selection = _api.choose_patch_set("fix")
+    report = _api.report()
+    info = {
+        "versions": installed_versions(WATCHED),
+        "python": sys.version.split()[0],
+        "patch_set": selection.patch_set.name if selection.patch_set else None,
+        "why": selection.reason,
+        "will_patch": [
+            {"target": p.target, "fixes": list(p.fixes), "why": p.why} for p in (selection.patch_set.patches if selection.patch_set else ())
+        ],
+        "activation": {
+            "this process": report.mode,
+            "start-up trampoline (.pth) installed": _pth_installed(),
+            "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
+        },
+        "declarations": str(declarations_dir()),
+        "status": report.as_dict(),
+    }
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0 if selection.supported else 1
+    print("accel_fp8_fix doctor")
+    print("  installed   : " + ", ".join(f"{k} {v or '-'}" for k, v in info["versions"].items()))
+    print(f"  patch set   : {info['patch_set'] or 'none (accelerate stays untouched)'}")
+    print(f"  why         : {info['why']}")
+    for p in info["will_patch"]:
+        print(f"  will patch  : {p['target']}  [{', '.join(p['fixes'])}] {p['why']}")
+    print(f"  activation  : {report.mode}")
+    print(f"  .pth hook   : {'installed' if info['activation']['start-up trampoline (.pth) installed'] else 'missing'}")
+    for key, value in info["activation"]["environment"].items():
+        print(f"  env         : {key}={value}")
+    print(f"  declarations: {info['declarations']}")
+    if report.patches:
+        print("  this process:")
+        for line in str(report).splitlines():
+            print("    " + line)
+    return 0 if selection.supported else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="accel-fp8-fix", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    doc = sub.add_parser("doctor", help="print versions, the chosen patch set and why, and the activation mode")
+    doc.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor(as_json=args.json)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

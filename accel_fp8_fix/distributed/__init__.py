@@ -1,0 +1,1 @@
+"""Collectives that name their group explicitly, and the cross-rank agreement check."""

@@ -1,0 +1,212 @@
+"""Patch-set declarations: the TOML files in ``patches/`` (shipped in the wheel as ``accel_fp8_fix/_patches``).
+
+One file declares one patch set, pinned to one version window::
+
+    name = "accelerate-1.13-1.15"
+    kind = "fix"                      # "fix" (chosen by version) or "rehearsal" (CPU emulation only)
+    summary = "..."
+    [requires]                        # must be installed and inside the window
+    accelerate = ">=1.13,<1.16"
+    [compatible]                      # checked only when installed
+    transformer-engine = ">=1.12"
+    [[patch]]
+    target = "accelerate.accelerator:Accelerator.prepare"   # module:attribute.path
+    wrapper = "accel_fp8_fix.fixes.prepare:prepare"          # a wrapt wrapper (wrapped, instance, args, kwargs)
+    signature = "(self, *args, device_placement=None)"      # optional: refuse to patch if it changed
+    fixes = ["A2"]
+    why = "..."
+
+Selection rule: among the sets of a kind, the one whose windows all contain the installed versions.
+Windows of one kind must not overlap: if several sets match, that is a declaration error, reported
+and nothing is patched.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
+
+from .versions import installed_versions, parse
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+KINDS = ("fix", "rehearsal")
+
+
+class DeclarationError(ValueError):
+    """A patch-set file is malformed."""
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    target: str
+    wrapper: str
+    signature: str | None = None
+    fixes: tuple[str, ...] = ()
+    why: str = ""
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def attribute(self) -> str:
+        return self.target.partition(":")[2]
+
+
+@dataclass(frozen=True)
+class PatchSet:
+    name: str
+    kind: str
+    requires: dict[str, SpecifierSet]
+    compatible: dict[str, SpecifierSet] = field(default_factory=dict)
+    patches: tuple[PatchSpec, ...] = ()
+    summary: str = ""
+    trigger: str = ""
+    source: str = ""
+
+    def window(self) -> str:
+        parts = [f"{name} {spec}" for name, spec in {**self.requires, **self.compatible}.items()]
+        return ", ".join(parts)
+
+    def mismatches(self, versions: dict[str, str | None]) -> list[str]:
+        """Why this set does not fit ``versions`` (empty when it fits)."""
+        problems = []
+        for name, spec in self.requires.items():
+            found = versions.get(name)
+            if found is None:
+                problems.append(f"{name} is not installed (needs {spec})")
+            elif not _contains(spec, found):
+                problems.append(f"{name} {found} is outside {spec}")
+        for name, spec in self.compatible.items():
+            found = versions.get(name)
+            if found is not None and not _contains(spec, found):
+                problems.append(f"{name} {found} is outside {spec}")
+        return problems
+
+
+def _contains(spec: SpecifierSet, version: str) -> bool:
+    parsed = parse(version)
+    return parsed is not None and spec.contains(parsed, prereleases=True)
+
+
+def _specifiers(table: dict, where: str) -> dict[str, SpecifierSet]:
+    out = {}
+    for name, text in table.items():
+        try:
+            out[canonicalize_name(name)] = SpecifierSet(text)
+        except InvalidSpecifier as exc:
+            raise DeclarationError(f"{where}: invalid version specifier {text!r} for {name}") from exc
+    return out
+
+
+def parse_patch_set(data: dict, source: str = "<memory>") -> PatchSet:
+    try:
+        name, kind = data["name"], data.get("kind", "fix")
+    except KeyError as exc:
+        raise DeclarationError(f"{source}: missing key {exc}") from None
+    if kind not in KINDS:
+        raise DeclarationError(f"{source}: kind must be one of {KINDS}, got {kind!r}")
+    patches = []
+    for i, entry in enumerate(data.get("patch", [])):
+        try:
+            spec = PatchSpec(
+                target=entry["target"],
+                wrapper=entry["wrapper"],
+                signature=entry.get("signature"),
+                fixes=tuple(entry.get("fixes", ())),
+                why=entry.get("why", ""),
+            )
+        except KeyError as exc:
+            raise DeclarationError(f"{source}: patch #{i + 1} lacks {exc}") from None
+        for ref in (spec.target, spec.wrapper):
+            if ref.count(":") != 1 or not all(ref.split(":")):
+                raise DeclarationError(f"{source}: {ref!r} must look like 'package.module:Attribute.path'")
+        patches.append(spec)
+    if not patches:
+        raise DeclarationError(f"{source}: patch set {name!r} declares no patch")
+    targets = [p.target for p in patches]
+    if len(set(targets)) != len(targets):
+        raise DeclarationError(f"{source}: a target is patched twice in {name!r}")
+    return PatchSet(
+        name=name,
+        kind=kind,
+        requires=_specifiers(data.get("requires", {}), source),
+        compatible=_specifiers(data.get("compatible", {}), source),
+        patches=tuple(patches),
+        summary=data.get("summary", ""),
+        trigger=data.get("trigger") or patches[0].module.split(".")[0],
+        source=source,
+    )
+
+
+def declarations_dir() -> Path:
+    """``accel_fp8_fix/_patches`` in an installed wheel, else the source tree's ``patches/``."""
+    package_dir = Path(__file__).resolve().parent.parent
+    shipped = package_dir / "_patches"
+    return shipped if shipped.is_dir() else package_dir.parent / "patches"
+
+
+def load_patch_sets(directory: Path | str | None = None) -> list[PatchSet]:
+    directory = Path(directory) if directory is not None else declarations_dir()
+    sets = []
+    for path in sorted(directory.glob("*.toml")):
+        with open(path, "rb") as fh:
+            try:
+                data = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as exc:
+                raise DeclarationError(f"{path}: {exc}") from None
+        sets.append(parse_patch_set(data, source=str(path)))
+    names = [s.name for s in sets]
+    if len(set(names)) != len(names):
+        raise DeclarationError(f"{directory}: two patch-set files use the same name")
+    return sets
+
+
+@dataclass
+class Selection:
+    """The outcome of choosing a patch set: the set (or None) and a sentence saying why."""
+
+    kind: str
+    patch_set: PatchSet | None
+    reason: str
+    versions: dict[str, str | None]
+    candidates: list[PatchSet]
+
+    @property
+    def supported(self) -> bool:
+        return self.patch_set is not None
+
+
+def select_patch_set(
+    sets: list[PatchSet], kind: str = "fix", versions: dict[str, str | None] | None = None
+) -> Selection:
+    candidates = [s for s in sets if s.kind == kind]
+    names = sorted({n for s in candidates for n in (*s.requires, *s.compatible)})
+    if versions is None:
+        versions = installed_versions(names)
+    else:
+        versions = {canonicalize_name(k): v for k, v in versions.items()}
+        versions = {n: versions.get(n) for n in names} | versions
+    matching = [s for s in candidates if not s.mismatches(versions)]
+    seen = ", ".join(f"{n} {versions.get(n) or 'not installed'}" for n in names)
+    if len(matching) == 1:
+        chosen = matching[0]
+        return Selection(kind, chosen, f"installed {seen} fit window [{chosen.window()}]", versions, candidates)
+    if len(matching) > 1:
+        clash = ", ".join(f"{s.name} ({s.source})" for s in matching)
+        return Selection(
+            kind, None, f"declaration error: windows overlap, several {kind} sets match {seen}: {clash}", versions,
+            candidates,
+        )
+    windows = "; ".join(f"{s.name}: [{s.window()}]" for s in candidates) or "none declared"
+    return Selection(
+        kind, None, f"unsupported versions: installed {seen}; supported windows: {windows}", versions, candidates
+    )

@@ -1,0 +1,210 @@
+"""Applies one patch set with wrapt: lazily on import of its target, all-or-nothing, idempotent, undoable.
+
+A patch replaces ``owner.attr`` (found from ``module:Owner.attr``) by a :class:`FixWrapper` around the
+original. Undo puts the original object back, but only where our wrapper is still the attribute's value:
+when somebody wrapped the same attribute after us, their wrapper stays and ours is switched to a
+pass-through in place (reported), so neither their patch nor the original behaviour is lost.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import threading
+import warnings
+from dataclasses import dataclass
+
+import wrapt
+
+from .declarations import PatchSet, PatchSpec
+
+logger = logging.getLogger("accel_fp8_fix")
+
+
+class PatchError(RuntimeError):
+    """A patch set could not be applied; nothing of it stays applied."""
+
+
+class FixWrapper(wrapt.FunctionWrapper):
+    """Our wrapper type: the marker for idempotence and for telling our wrappers from foreign ones."""
+
+    def __init__(self, wrapped, wrapper, spec: PatchSpec, patch_set: str):
+        super().__init__(wrapped, self._gated(wrapper))
+        self._self_fix_spec = spec
+        self._self_fix_patch_set = patch_set
+        self._self_fix_enabled = True
+
+    def _gated(self, wrapper):
+        def gate(wrapped, instance, args, kwargs):
+            if not self._self_fix_enabled:
+                return wrapped(*args, **kwargs)
+            return wrapper(wrapped, instance, args, kwargs)
+
+        return gate
+
+
+@dataclass
+class PatchState:
+    spec: PatchSpec
+    status: str = "pending"  # pending | applied | failed | restored | disabled-in-place
+    detail: str = ""
+    owner: object = None
+    name: str = ""
+    original: object = None
+    wrapper: FixWrapper | None = None
+
+
+def resolve_target(spec: PatchSpec):
+    """(owner, attribute name, original object as stored on the owner) for ``spec.target``."""
+    module = importlib.import_module(spec.module)
+    *path, name = spec.attribute.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    if name not in vars(owner):
+        # Inherited attributes would be patched on the wrong class; the declaration must name the owner.
+        raise AttributeError(f"{spec.target}: {getattr(owner, '__name__', owner)!s} has no attribute {name!r} of its own")
+    return owner, name, vars(owner)[name]
+
+
+def resolve_wrapper(ref: str):
+    module, _, qualname = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"wrapper {ref} is not callable")
+    return obj
+
+
+def _signature_of(original) -> str:
+    func = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+    return str(inspect.signature(func))
+
+
+class Engine:
+    """Owns one patch set's life: pending → applied (or failed) → restored."""
+
+    def __init__(self, patch_set: PatchSet):
+        self.patch_set = patch_set
+        self.states = [PatchState(spec) for spec in patch_set.patches]
+        self.active = False
+        self.error: str = ""
+        self._lock = threading.RLock()
+        self._hook_registered = False
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def activate(self, strict: bool = False) -> None:
+        """Apply now if the trigger module is imported, else when it is (wrapt post-import hook)."""
+        with self._lock:
+            if self.active:
+                return
+            self.active = True
+            self.error = ""
+            self._strict = strict
+            if not self._hook_registered:
+                self._hook_registered = True
+                wrapt.register_post_import_hook(self._on_import, self.patch_set.trigger)
+            else:
+                import sys
+
+                if self.patch_set.trigger in sys.modules:
+                    self._on_import(sys.modules[self.patch_set.trigger])
+
+    def _on_import(self, _module) -> None:
+        # wrapt keeps hooks forever; an inactive engine ignores them.
+        with self._lock:
+            if not self.active or self.applied:
+                return
+            try:
+                self.apply()
+            except PatchError as exc:
+                if self._strict:
+                    raise
+                logger.warning("%s", exc)
+                warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+
+    @property
+    def applied(self) -> bool:
+        return any(s.status == "applied" for s in self.states)
+
+    def apply(self) -> None:
+        """Resolve and check every patch first, then swap them all in; roll back on any failure."""
+        with self._lock:
+            if self.applied:
+                return
+            prepared = []
+            for state in self.states:
+                if state.status == "disabled-in-place":
+                    continue  # our earlier wrapper still sits under a foreign one: re-enabled below
+                try:
+                    owner, name, original = resolve_target(state.spec)
+                    if isinstance(original, FixWrapper):
+                        raise PatchError(
+                            f"{state.spec.target} is already wrapped by patch set {original._self_fix_patch_set!r}"
+                        )
+                    if state.spec.signature is not None:
+                        found = _signature_of(original)
+                        if found != state.spec.signature:
+                            raise TypeError(f"signature changed: expected {state.spec.signature}, found {found}")
+                    wrapper = resolve_wrapper(state.spec.wrapper)
+                except Exception as exc:  # noqa: BLE001 - every failure means "do not patch"
+                    state.status, state.detail = "failed", f"{type(exc).__name__}: {exc}"
+                    for other in self.states:
+                        if other is not state and other.status == "pending":
+                            other.detail = "not applied: another patch of the set failed"
+                    self.error = (
+                        f"accel_fp8_fix: patch set {self.patch_set.name!r} not applied (accelerate left untouched): "
+                        f"{state.spec.target}: {state.detail}"
+                    )
+                    raise PatchError(self.error) from exc
+                prepared.append((state, owner, name, original, wrapper))
+            done = []
+            try:
+                for state, owner, name, original, wrapper in prepared:
+                    fix = FixWrapper(original, wrapper, state.spec, self.patch_set.name)
+                    setattr(owner, name, fix)
+                    state.owner, state.name, state.original, state.wrapper = owner, name, original, fix
+                    done.append(state)
+            except Exception as exc:  # pragma: no cover - setattr on a module/class practically never fails
+                for state in done:
+                    setattr(state.owner, state.name, state.original)
+                self.error = f"accel_fp8_fix: patch set {self.patch_set.name!r} rolled back: {exc}"
+                raise PatchError(self.error) from exc
+            for state in self.states:
+                if state.status == "disabled-in-place":
+                    state.wrapper._self_fix_enabled = True
+                    done.append(state)
+            for state in done:
+                state.status, state.detail = "applied", ""
+            logger.debug("patch set %s applied (%d patches)", self.patch_set.name, len(done))
+
+    def deactivate(self) -> list[str]:
+        """Undo every patch; return warnings about foreign wrappers found on top of ours."""
+        warnings_out = []
+        with self._lock:
+            self.active = False
+            for state in self.states:
+                if state.status != "applied":
+                    if state.status in ("failed", "pending"):
+                        state.status, state.detail = "pending", ""
+                    continue
+                current = vars(state.owner).get(state.name)
+                if current is state.wrapper:
+                    setattr(state.owner, state.name, state.original)
+                    state.status = "restored"
+                else:
+                    state.wrapper._self_fix_enabled = False
+                    state.status = "disabled-in-place"
+                    state.detail = (
+                        f"{state.spec.target} was wrapped again after us ({type(current).__name__}); their wrapper "
+                        "is kept and ours now passes calls straight through"
+                    )
+                    warnings_out.append(state.detail)
+                    logger.warning("accel_fp8_fix: %s", state.detail)
+                    warnings.warn(f"accel_fp8_fix: {state.detail}", RuntimeWarning, stacklevel=3)
+            for state in self.states:
+                if state.status == "restored":
+                    state.status, state.wrapper, state.owner, state.original = "pending", None, None, None
+        return warnings_out

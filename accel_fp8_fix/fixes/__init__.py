@@ -1,0 +1,1 @@
+"""The wrapper code of each fix; which ones apply to which versions is declared in ``patches/``."""

@@ -1,0 +1,155 @@
+"""Multi-process CPU test bed: run one function on N gloo ranks, each in a fresh interpreter.
+
+    from accel_fp8_fix.testing import run_distributed
+    results = run_distributed(check_fn, world_size=4, args=(...), timeout=120)
+
+``check_fn(rank, world_size, *args)`` must be importable by module name (a module-level function of a
+test module or package). Each rank runs it in a new ``python`` process with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` set and (unless ``init_process_group=False``) the
+default process group initialised on gloo with ``collective_timeout``. The return values come back in
+rank order. Any rank failing, or the whole run outliving ``timeout``, raises
+:class:`DistributedTestError` carrying every rank's traceback / output tail; all ranks are killed, so a
+stuck collective cannot eat a CI budget.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["run_distributed", "DistributedTestError", "free_port"]
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed or hung; the message holds every rank's report."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def run_distributed(
+    fn,
+    world_size: int,
+    *,
+    args: tuple = (),
+    env: dict | None = None,
+    rank_env: dict | None = None,
+    timeout: float = 120.0,
+    collective_timeout: float = 60.0,
+    init_process_group: bool = True,
+    sys_path: list | None = None,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` CPU processes; return the results by rank.
+
+    ``env`` is added to every rank's environment, ``rank_env`` maps a rank to extra variables for it.
+    ``sys_path`` entries are prepended to the workers' ``sys.path`` (the caller's module directory is
+    added automatically so test modules are importable).
+    """
+    module = fn.__module__
+    qualname = fn.__qualname__
+    if "<locals>" in qualname or module == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
+        raise ValueError(f"run_distributed needs a module-level function, got {module}.{qualname}")
+    paths = list(sys_path or [])
+    mod = sys.modules.get(module)
+    mod_file = getattr(mod, "__file__", None)
+    if mod_file:
+        # Directory from which `module` is importable by its dotted name.
+        root = Path(mod_file).resolve().parent
+        for _ in range(module.count(".")):
+            root = root.parent
+        paths.append(str(root))
+        if module == "__main__":
+            module = Path(mod_file).stem
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="accel_fp8_fix_dist_") as tmp:
+        tmp = Path(tmp)
+        payload = {
+            "module": module,
+            "qualname": qualname,
+            "args": args,
+            "sys_path": paths,
+            "init_process_group": init_process_group,
+            "collective_timeout": collective_timeout,
+        }
+        (tmp / "payload.pkl").write_bytes(pickle.dumps(payload))
+        procs = []
+        for rank in range(world_size):
+            rank_environ = dict(os.environ)
+            rank_environ.update(env or {})
+            rank_environ.update((rank_env or {}).get(rank, {}))
+            rank_environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS=rank_environ.get("OMP_NUM_THREADS", "1"),
+                PYTHONUNBUFFERED="1",
+            )
+            log = open(tmp / f"rank{rank}.log", "w+")
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [sys.executable, "-m", "accel_fp8_fix.testing._worker", str(tmp), str(rank)],
+                        env=rank_environ,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    log,
+                )
+            )
+
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        first_failure_at = None
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes) and first_failure_at is None:
+                first_failure_at = time.monotonic()
+            # One rank died: give the others a short grace period to report their own error, then stop.
+            if first_failure_at is not None and time.monotonic() - first_failure_at > 10:
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+        reports, results, failed = [], [], False
+        for rank, (p, log) in enumerate(procs):
+            log.seek(0)
+            output = log.read()
+            log.close()
+            result_file = tmp / f"rank{rank}.result"
+            if p.returncode == 0 and result_file.exists():
+                results.append(pickle.loads(result_file.read_bytes()))
+                continue
+            failed = True
+            status = "killed (still running at the deadline)" if p.returncode in (-9,) else f"exit {p.returncode}"
+            reports.append(f"--- rank {rank}: {status} ---\n{_tail(output)}")
+        if failed or timed_out:
+            head = f"{qualname} on {world_size} ranks " + (
+                f"timed out after {timeout:.0f}s" if timed_out else "failed"
+            )
+            raise DistributedTestError(head + "\n" + "\n".join(reports))
+        return results

@@ -1,0 +1,40 @@
+"""One rank of :func:`accel_fp8_fix.testing.run_distributed` (``python -m accel_fp8_fix.testing._worker DIR RANK``)."""
+
+import importlib
+import os
+import pickle
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+
+def main(tmp: str, rank: str) -> None:
+    tmp_dir = Path(tmp)
+    payload = pickle.loads((tmp_dir / "payload.pkl").read_bytes())
+    for path in reversed(payload["sys_path"]):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    fn = importlib.import_module(payload["module"])
+    for part in payload["qualname"].split("."):
+        fn = getattr(fn, part)
+    world_size = int(os.environ["WORLD_SIZE"])
+
+    import torch.distributed as dist
+
+    if payload["init_process_group"]:
+        dist.init_process_group(
+            "gloo",
+            rank=int(rank),
+            world_size=world_size,
+            timeout=timedelta(seconds=payload["collective_timeout"]),
+        )
+    try:
+        result = fn(int(rank), world_size, *payload["args"])
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    (tmp_dir / f"rank{rank}.result").write_bytes(pickle.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
