@@ -1,13 +1,158 @@
-"""``Accelerator.prepare``: the entry point of every fix (rank agreement, then the FP8-aware pipeline)."""
+"""``Accelerator.prepare`` for TE FP8 with FSDP2 and/or TP: convert *after* sharding, then turn FP8 on.
+
+Stock order (1.13-1.15): ``_prepare_tp`` -> ``_prepare_cp`` -> ``_prepare_te`` (convert full-size modules,
+A1) -> ``_prepare_fsdp2`` (no FP8 autocast, A2). Patched: the TP layout is recorded, ``_prepare_te``
+only validates, stock sharding runs, and then :func:`finish_fp8_prepare` converts on the sharded
+parameters, creates and registers the FP8 state, makes it identical on every rank, and wraps the
+forward in TE autocast with the mesh's amax reduction group.
+"""
 
 from __future__ import annotations
 
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
 from .._api import active_patch_set
 from ..distributed.agreement import check_patch_set_agreement
+from ..distributed.collectives import group_of
+from .fp8_autocast import build_recipe, te_autocast, wrap_forward
+from .fp8_state import broadcast_fp8_state, register_tensor_state
+from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
+
+logger = logging.getLogger("accel_fp8_fix")
+
+DEFER_FLAG = "_accel_fp8_fix_defer_te"
+GEMMS_PER_MODULE = {"LayerNormMLP": 2}  # TE's num_gemms per forward; 1 for Linear / LayerNormLinear
+
+
+@dataclass
+class Fp8Setup:
+    """What the patched prepare did; kept on the accelerator as ``accelerator.accel_fp8_fix``."""
+
+    conversion: ConversionReport
+    recipe: object = None
+    amax_group_ranks: tuple = ()
+    amax_group: object = None
+    mesh: object = None
+    registered_state: list = field(default_factory=list)
+    fp8_enabled: bool = False
+
+
+def _handles(accelerator) -> bool:
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    if accelerator.fp8_backend != FP8BackendType.TE:
+        return False
+    pc = getattr(accelerator, "parallelism_config", None)
+    return bool(accelerator.is_fsdp2 or (pc is not None and pc.tp_enabled))
+
+
+def _the_model(objects):
+    models = [o for o in objects if isinstance(o, torch.nn.Module)]
+    return models[0] if len(models) == 1 else None
 
 
 def prepare(wrapped, instance, args, kwargs):
     if not getattr(instance, "_accel_fp8_fix_agreed", False):
         check_patch_set_agreement(active_patch_set())
         instance._accel_fp8_fix_agreed = True
-    return wrapped(*args, **kwargs)
+    if not _handles(instance):
+        return wrapped(*args, **kwargs)
+    model = _the_model(args)
+    if model is not None:
+        record_tp_layout(model)
+    setattr(instance, DEFER_FLAG, True)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        setattr(instance, DEFER_FLAG, False)
+    prepared = _the_model(result if isinstance(result, (tuple, list)) else (result,))
+    if prepared is not None:
+        instance.accel_fp8_fix = finish_fp8_prepare(instance, prepared)
+    return result
+
+
+def prepare_te(wrapped, instance, args, kwargs):
+    """``Accelerator._prepare_te``: while a patched prepare runs, validate like stock but do not convert."""
+    if not getattr(instance, DEFER_FLAG, False):
+        return wrapped(*args, **kwargs)
+    models = [o for o in args if isinstance(o, torch.nn.Module)]
+    optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer)]
+    if (models or optimizers) and not (models and optimizers):
+        raise ValueError(
+            "You must pass a model and an optimizer together to `accelerate.prepare()` when using TransformerEngine."
+        )
+    if len(models) > 1 or len(optimizers) > 1:
+        raise ValueError(
+            f"You can't use multiple models ({len(models)}) or optimizers {len(optimizers)} with TransformerEngine."
+        )
+    return list(args)
+
+
+def mesh_of(accelerator, model):
+    """The device mesh: accelerate's (ParallelismConfig), else the one of a sharded parameter."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is not None:
+        return mesh
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            return param.device_mesh
+    return None
+
+
+def amax_group_for(mesh):
+    """The amax reduction group: every rank of the mesh (dp x cp x tp flattened), never an implicit WORLD."""
+    if mesh is None:
+        return None, ()
+    import torch.distributed as dist
+
+    group = group_of(mesh, tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None)
+    return group, tuple(dist.get_process_group_ranks(group))
+
+
+def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
+    import transformer_engine.pytorch as te
+
+    conversion = convert_after_sharding(model, te)
+    mesh = mesh_of(accelerator, model)
+    group, ranks = amax_group_for(mesh)
+    setup = Fp8Setup(conversion=conversion, amax_group=group, amax_group_ranks=ranks, mesh=mesh)
+    if not conversion.te_modules:
+        message = (
+            "accel_fp8_fix: no layer of the model could be converted to Transformer Engine "
+            f"({len(conversion.skipped)} skipped); FP8 stays OFF and the model trains in high precision"
+        )
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return setup
+    recipe, use_during_eval = build_recipe(accelerator.te_recipe_handler or accelerator.fp8_recipe_handler)
+    setup.recipe = recipe
+    # FP8 state now, on the module's device (as the first FP8 forward would create it), then registered.
+    with torch.no_grad(), te_autocast(te)(True, recipe, group):
+        for module in conversion.te_modules:
+            module.init_fp8_metadata(num_gemms=GEMMS_PER_MODULE.get(type(module).__name__, 1))
+    setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=("fp8_meta",))
+    if group is not None:
+        broadcast_fp8_state(model, group, src=ranks[0])
+    wrap_forward(model, te, recipe, group, use_during_eval)
+    setup.fp8_enabled = True
+    logger.info(
+        "accel_fp8_fix: %d module(s) converted to Transformer Engine after sharding, %d kept; amax group %s",
+        len(conversion.converted), len(conversion.skipped), list(ranks),
+    )
+    return setup
+
+
+def load_state(wrapped, instance, args, kwargs):
+    """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group)."""
+    result = wrapped(*args, **kwargs)
+    setup = getattr(instance, "accel_fp8_fix", None)
+    if setup is not None and setup.fp8_enabled and setup.amax_group is not None:
+        for model in instance._models:
+            broadcast_fp8_state(model, setup.amax_group, src=setup.amax_group_ranks[0])
+    return result

@@ -1,0 +1,56 @@
+"""FP8 on (A2) with an explicit amax reduction group (A7): the prepared model's forward runs under TE's
+autocast — ``autocast(recipe=, amax_reduction_group=)`` where the installed TE has it (2.9+), else
+``fp8_autocast(fp8_recipe=, fp8_group=)`` — with the recipe accelerate would build from
+``TERecipeKwargs`` / ``ACCELERATE_FP8_*``, honouring ``use_autocast_during_eval``."""
+
+from __future__ import annotations
+
+import inspect
+from types import MethodType
+
+
+def te_autocast(te):
+    """A function ``(enabled, recipe, group) -> context manager`` for the installed TE's autocast API."""
+    autocast = getattr(te, "autocast", None)
+    if autocast is not None and "amax_reduction_group" in inspect.signature(autocast).parameters:
+        return lambda enabled, recipe, group: autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    return lambda enabled, recipe, group: te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+
+
+def build_recipe(handler):
+    """(recipe, use_autocast_during_eval) from accelerate's TE recipe kwargs, as ``apply_fp8_autowrap`` builds it."""
+    import transformer_engine.common.recipe as te_recipe
+
+    kwargs = handler.to_kwargs() if handler is not None else {}
+    kwargs.pop("backend", None)
+    if "fp8_format" in kwargs:
+        kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
+    use_during_eval = kwargs.pop("use_autocast_during_eval", False)
+    if kwargs.pop("use_mxfp8_block_scaling", False):
+        for unsupported in ("amax_compute_algo", "amax_history_len"):
+            if unsupported in kwargs:
+                raise ValueError(f"accel_fp8_fix: `{unsupported}` is not supported for MXFP8 block scaling")
+        return te_recipe.MXFP8BlockScaling(**kwargs), use_during_eval
+    return te_recipe.DelayedScaling(**kwargs), use_during_eval
+
+
+def wrap_forward(model, te, recipe, group, use_during_eval: bool) -> None:
+    """Run ``model.forward`` under TE autocast; an autocast wrapper accelerate added before is replaced."""
+    autocast = te_autocast(te)
+    forward = model.forward
+    if getattr(forward, "_accel_fp8_fix_autocast", False) or getattr(
+        getattr(forward, "__func__", forward), "_accel_fp8_fix_autocast", False
+    ):
+        return
+    inner = getattr(forward, "__func__", forward)
+    inner = getattr(inner, "__wrapped__", inner)  # drop accelerate's contextual_fp8_autocast (no group)
+    bound = hasattr(forward, "__func__")
+
+    def fp8_forward(self, *args, **kwargs):
+        enabled = use_during_eval or self.training
+        with autocast(enabled, recipe, group):
+            return inner(self, *args, **kwargs) if bound else inner(*args, **kwargs)
+
+    fp8_forward.__wrapped__ = inner  # accelerate's extract_model_from_parallel unwraps through this
+    fp8_forward._accel_fp8_fix_autocast = True
+    model.forward = MethodType(fp8_forward, model)

@@ -1,0 +1,170 @@
+"""FP8 metadata: created at prepare time, registered on its module, identical on every rank (A7).
+
+TE keeps scales and amax histories in ``module.fp8_meta``, a plain dict that ``.to()``, ``named_buffers()``
+and state-dict audits never see. :func:`register_tensor_state` (the "unifier") finds tensor-valued state
+that is neither a parameter nor a buffer and registers it as non-persistent buffers (TE's
+``_extra_state`` already persists it). A forward pre-hook keeps the two views linked: if the module
+moved its buffers (``.to()``, ``_apply``) the FP8 state follows them, and if TE replaced a tensor the
+buffer follows TE; FP8 state always stays float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..distributed.collectives import broadcast_
+
+SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+              "_state_dict_hooks", "_load_state_dict_pre_hooks", "_non_persistent_buffers_set"}
+
+
+@dataclass
+class RegisteredState:
+    module: str  # qualified module name
+    path: tuple  # attribute path inside the module, e.g. ("fp8_meta", "scaling_fwd", "scale")
+    buffer: str  # buffer name on the module
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _walk(obj, path, depth, seen, out):
+    if isinstance(obj, torch.Tensor):
+        if not isinstance(obj, nn.Parameter):
+            out.append((path, obj))
+        return
+    if depth == 0 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items = [(k, v) for k, v in obj.items() if isinstance(k, str)]
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)) and not callable(obj):
+        items = list(vars(obj).items())
+    else:
+        return
+    for key, value in items:
+        _walk(value, path + (key,), depth - 1, seen, out)
+
+
+def find_unregistered_tensors(module: nn.Module, attrs=None, depth: int = 4) -> list:
+    """(attribute path, tensor) for tensors held by ``module`` (not its children) outside params/buffers,
+    looking in the attributes named by ``attrs`` (default: all of them)."""
+    known = {id(t) for t in module._parameters.values() if t is not None}
+    known |= {id(t) for t in module._buffers.values() if t is not None}
+    found = []
+    for name, value in vars(module).items():
+        if name in SKIP_ATTRS or name.startswith("_accel_fp8_fix") or (attrs is not None and name not in attrs):
+            continue
+        _walk(value, (name,), depth, set(), found)
+    return [(path, t) for path, t in found if id(t) not in known]
+
+
+def _get(root, path):
+    for key in path:
+        root = root[key] if isinstance(root, (dict, list, tuple)) else getattr(root, key)
+    return root
+
+
+def _set(root, path, value):
+    parent = _get(root, path[:-1])
+    if isinstance(parent, (dict, list)):
+        parent[path[-1]] = value
+    else:
+        setattr(parent, path[-1], value)
+
+
+def _buffer_name(path) -> str:
+    return "_fp8_" + "__".join(str(p) for p in path)
+
+
+class _StateLink:
+    """Keeps registered buffers and the module's own references (fp8_meta) pointing at one tensor."""
+
+    def __init__(self, entries):
+        self.entries = entries  # list of [path, buffer name, dtype, linked tensor]
+
+    def __call__(self, module, args=None):
+        changed = False
+        for entry in self.entries:
+            path, name, dtype, linked = entry
+            try:
+                own = _get(vars(module), path)
+            except (KeyError, AttributeError, IndexError):
+                continue  # TE dropped that state (e.g. recipe changed); the buffer stays as it was
+            buffer = module._buffers.get(name)
+            if buffer is not linked:  # the module moved/cast its buffers: FP8 state follows, kept in fp32
+                fresh = buffer.to(dtype) if buffer.dtype != dtype else buffer
+                _set(vars(module), path, fresh)
+                module._buffers[name] = fresh
+                entry[3] = fresh
+                changed = True
+            elif own is not linked:  # TE replaced its tensor: the buffer follows
+                module._buffers[name] = own
+                entry[3] = own
+        if changed:
+            _rebuild_quantizers(module)
+
+
+def _rebuild_quantizers(module: nn.Module) -> None:
+    """TE 2.x quantizers hold views of the recipe-state tensors; rebuild them after the tensors moved."""
+    quantizers = getattr(module, "quantizers", None)
+    if not isinstance(quantizers, dict):
+        return
+    for key in ("scaling_fwd", "scaling_bwd"):
+        state = module.fp8_meta.get(key)
+        if state is not None and hasattr(state, "make_quantizers"):
+            quantizers[key] = state.make_quantizers()
+
+
+def register_tensor_state(model: nn.Module, modules=None, attrs=None) -> list[RegisteredState]:
+    """Register each unregistered tensor on ``modules`` (default: every module), found in ``attrs``
+    (default: every attribute; TE modules: ``("fp8_meta",)``), as a non-persistent buffer.
+
+    Returns what was found and registered. Idempotent: already-registered state is not found again.
+    """
+    names = {m: n for n, m in model.named_modules()}
+    registered = []
+    for module in modules if modules is not None else model.modules():
+        entries = []
+        for path, tensor in find_unregistered_tensors(module, attrs):
+            name = _buffer_name(path)
+            if name in module._buffers:
+                continue
+            module.register_buffer(name, tensor, persistent=False)
+            entries.append([path, name, tensor.dtype, tensor])
+            registered.append(RegisteredState(names.get(module, "?"), path, name, tuple(tensor.shape), tensor.dtype))
+        if entries:
+            link = getattr(module, "_accel_fp8_fix_state_link", None)
+            if link is None:
+                link = _StateLink([])
+                module._accel_fp8_fix_state_link = link
+                module.register_forward_pre_hook(link)
+            link.entries.extend(entries)
+    return registered
+
+
+def fp8_state_tensors(model: nn.Module) -> dict:
+    """{qualified buffer name: tensor} of every registered FP8 state tensor, in a rank-independent order."""
+    out = {}
+    for name, module in model.named_modules():
+        link = getattr(module, "_accel_fp8_fix_state_link", None)
+        if link is None:
+            continue
+        link(module)  # make sure the buffers are the live tensors
+        for path, buffer, _, _ in link.entries:
+            out[f"{name}.{buffer}" if name else buffer] = module._buffers[buffer]
+    return out
+
+
+@torch.no_grad()
+def broadcast_fp8_state(model: nn.Module, group, src: int = 0) -> int:
+    """Copy rank ``src``'s FP8 state into every rank's, in place, on the explicit ``group``; bytes sent."""
+    sent = 0
+    for name, tensor in fp8_state_tensors(model).items():
+        broadcast_(tensor, src=src, group=group, name=name)
+        sent += tensor.numel() * tensor.element_size()
+    return sent

@@ -1,0 +1,204 @@
+"""Convert ``nn.Linear`` / ``nn.LayerNorm`` to Transformer Engine modules *after* sharding (A1, A4).
+
+The TE module is built on the ``meta`` device (no full-size allocation) and takes over the very same
+Parameter objects, DTensor shards included, so the optimizer needs no remapping and no rank ever holds
+a full copy. FSDP2 swaps parameters by ``setattr`` on the module it recorded at ``fully_shard`` time:
+that record is moved to the new module. A TP-sharded Linear (weight ``Shard(0)`` = column parallel,
+``Shard(1)`` = row parallel) becomes a TE module configured for TE's own TP on the TP group; TE kernels
+take local tensors, so during forward the module sees its parameters' local shards (autograd carries the
+gradients back to the DTensor parameters). A Linear TE cannot take (a dim not divisible by 16) stays
+``nn.Linear`` with one warning, and its siblings are still converted.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("accel_fp8_fix")
+
+TP_ATTR = "_accel_fp8_fix_tp"  # (parallel_mode, tp_mesh) recorded before FSDP2 wraps the parameters
+
+
+@dataclass
+class ConversionReport:
+    converted: list = field(default_factory=list)  # qualified names
+    skipped: list = field(default_factory=list)  # (qualified name, reason)
+    te_modules: list = field(default_factory=list)  # every TE module with FP8 state, converted or not
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def record_tp_layout(model: nn.Module) -> dict:
+    """Note, before FSDP2 adds its own dims, how TP shards each Linear / LayerNorm: {name: parallel_mode}."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    layout = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.LayerNorm)) or not _is_dtensor(getattr(module, "weight", None)):
+            continue
+        placements = module.weight.placements
+        if len(placements) != 1:
+            raise ValueError(
+                f"accel_fp8_fix: {name}.weight is a DTensor on a {len(placements)}-D mesh before prepare; expected "
+                "TP-only sharding (one placement) on the 'tp' mesh"
+            )
+        placement = placements[0]
+        if isinstance(placement, Replicate):
+            mode = None
+        elif isinstance(module, nn.Linear) and isinstance(placement, Shard) and placement.dim in (0, 1):
+            mode = "column" if placement.dim == 0 else "row"
+        else:
+            raise ValueError(f"accel_fp8_fix: {name}.weight has placement {placement}, which TE's TP cannot express")
+        setattr(module, TP_ATTR, (mode, module.weight.device_mesh))
+        layout[name] = mode
+    return layout
+
+
+def _te_dims_ok(*dims: int) -> bool:
+    return all(d % 16 == 0 for d in dims)
+
+
+def _fsdp_params(model: nn.Module):
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return []
+    params = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                params.extend(group.fsdp_params)
+    return params
+
+
+def _retarget_fsdp(fsdp_params, old: nn.Module, new: nn.Module) -> None:
+    """FSDP2 re-registers (un)sharded params with setattr on the recorded module: record the new one."""
+    for fsdp_param in fsdp_params:
+        info = fsdp_param._module_info
+        if info.module is old:
+            info.module = new
+        info.shared_modules = [new if m is old else m for m in info.shared_modules]
+
+
+def _take_over_parameters(old: nn.Module, new: nn.Module, names) -> None:
+    for name in names:
+        param = getattr(old, name, None)
+        # Direct dict assignment: the same Parameter object, without TE's register_parameter bookkeeping.
+        new._parameters[name] = param
+
+
+class _LocalShardsDuringForward:
+    """Forward pre/post hooks: TE kernels take local tensors, so DTensor params are swapped for their
+    (autograd-connected) local shards for the duration of the forward, then put back."""
+
+    def __init__(self, names, tp_mesh):
+        self.names = names
+        self.tp_dims = tp_mesh.mesh_dim_names
+
+    def pre(self, module, args):
+        saved = {}
+        for name in self.names:
+            param = module._parameters.get(name)
+            if param is None or not _is_dtensor(param):
+                continue  # plain: FSDP2 already handed in its unsharded tensor
+            if param.device_mesh.mesh_dim_names != self.tp_dims:
+                raise RuntimeError(
+                    f"accel_fp8_fix: {type(module).__name__}.{name} reached forward sharded on mesh dims "
+                    f"{param.device_mesh.mesh_dim_names} {param.placements}, not only on the TP mesh {self.tp_dims}: "
+                    "FSDP2 did not unshard it (is the module outside every fully_shard unit?)"
+                )
+            saved[name] = param
+            module._parameters[name] = param.to_local()
+        module._accel_fp8_fix_saved_params = saved
+
+    def post(self, module, args, output):
+        for name, param in getattr(module, "_accel_fp8_fix_saved_params", {}).items():
+            module._parameters[name] = param
+        module._accel_fp8_fix_saved_params = {}
+
+
+def _install_local_shards(module: nn.Module, names, tp_mesh) -> None:
+    hooks = _LocalShardsDuringForward(tuple(names), tp_mesh)
+    module.register_forward_pre_hook(hooks.pre)
+    module.register_forward_hook(hooks.post, always_call=True)
+
+
+def _new_linear(te, linear: nn.Linear, name: str):
+    mode, tp_mesh = getattr(linear, TP_ATTR, (None, None))
+    tp_kwargs = {}
+    if tp_mesh is not None and mode is not None and tp_mesh.size() > 1:
+        tp_kwargs = {"tp_group": tp_mesh.get_group(), "tp_size": tp_mesh.size(), "parallel_mode": mode}
+    return te.Linear(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        params_dtype=linear.weight.dtype,
+        device="meta",
+        **tp_kwargs,
+    )
+
+
+def _new_layernorm(te, norm: nn.LayerNorm, name: str):
+    return te.LayerNorm(norm.normalized_shape[0], eps=norm.eps, params_dtype=norm.weight.dtype, device="meta")
+
+
+def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = True) -> ConversionReport:
+    """Swap supported modules for TE ones in place, keeping every Parameter object; return what happened."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()
+    report = ConversionReport()
+    fsdp_params = _fsdp_params(model)
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, nn.Linear):
+                if not _te_dims_ok(child.in_features, child.out_features):
+                    reason = f"in_features={child.in_features}, out_features={child.out_features} (TE needs multiples of 16)"
+                elif isinstance(child, FSDPModule):
+                    reason = "it is an FSDP2 unit of its own (its unshard hooks live on this module object)"
+                else:
+                    reason = None
+                if reason is not None:
+                    report.skipped.append((name, reason))
+                    continue
+                new = _new_linear(te, child, name)
+                names = ["weight"] + (["bias"] if child.bias is not None else [])
+            elif convert_layernorm and isinstance(child, nn.LayerNorm):
+                if len(child.normalized_shape) != 1 or child.weight is None or child.bias is None:
+                    report.skipped.append((name, "TE LayerNorm needs 1-D normalized_shape with affine weight and bias"))
+                    continue
+                if isinstance(child, FSDPModule):
+                    report.skipped.append((name, "it is an FSDP2 unit of its own"))
+                    continue
+                new = _new_layernorm(te, child, name)
+                names = ["weight", "bias"]
+            else:
+                continue
+            with torch.no_grad():
+                _take_over_parameters(child, new, names)
+            new.train(child.training)
+            _retarget_fsdp(fsdp_params, child, new)
+            tp_mesh = getattr(child, TP_ATTR, (None, None))[1]
+            if tp_mesh is not None:
+                _install_local_shards(new, names, tp_mesh)
+            setattr(parent, child_name, new)
+            report.converted.append(name)
+    if report.skipped:
+        detail = "; ".join(f"{n}: {why}" for n, why in report.skipped)
+        message = f"accel_fp8_fix: kept {len(report.skipped)} module(s) in high precision, not Transformer Engine: {detail}"
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    report.te_modules = [m for m in model.modules() if hasattr(m, "fp8_meta") and hasattr(m, "init_fp8_metadata")]
+    return report

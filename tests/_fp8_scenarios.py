@@ -1,0 +1,281 @@
+"""FSDP2 + TE FP8 scenarios (CPU, gloo, Transformer Engine *emulation*) for tests/test_fsdp2_fp8.py.
+
+Each runs inside a rank of ``run_distributed`` (through ``_scenarios.launch``) and returns facts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import _scenarios as S
+
+STEPS = 10
+LR = 0.05
+GLOBAL_BATCH = 8
+RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
+
+
+def _global_batch(dim=S.DIM):
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(GLOBAL_BATCH, dim, generator=g), torch.randn(GLOBAL_BATCH, 16, generator=g)
+
+
+def _reference_fp8_losses(steps=STEPS):
+    """The same emulated-FP8 model trained in this one process on the full batch (no collectives:
+    reduce_amax=False — one process already sees every sample's amax)."""
+    import torch
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+
+    model = S.block_stack(seed=0)
+    convert_after_sharding(model, te)
+    recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
+                                      reduce_amax=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = _global_batch()
+    losses = []
+    for _ in range(steps):
+        with te_autocast(te)(True, recipe, None):
+            out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    te.FP8GlobalStateManager.reset()  # TE's global amax buffers outlive the model: leave none behind
+    return losses
+
+
+def _all_equal_across_ranks(tensors: dict) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {k: v.detach().clone() for k, v in tensors.items()})
+    return all(set(g) == set(gathered[0]) and all(torch.equal(g[k], gathered[0][k]) for k in g) for g in gathered)
+
+
+def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps=STEPS):
+    """FSDP2 + FP8 through the patched prepare: FP8 on, state registered + identical, losses vs one process."""
+    import torch
+    import torch.distributed as dist
+
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    S.ensure_rehearsal(True)
+    # fp32 around the FP8 GEMMs (accelerate's default for fp8 is bf16 params/reduce), so that the
+    # single-process reference can match exactly what the FP8 emulation computes.
+    acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
+                             wrap_cls=["Block"], fp8_recipe=RECIPE,
+                             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                         reduce_dtype=torch.float32))
+    reference = _reference_fp8_losses(steps)
+    model = S.block_stack(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    setup = acc.accel_fp8_fix
+    te_mods = {n: m for n, m in model.named_modules() if hasattr(m, "fp8_meta")}
+    facts = {
+        "mp_policy": str(acc.state.fsdp_plugin.mixed_precision_policy),
+        "converted": setup.conversion.converted,
+        "skipped": setup.conversion.skipped,
+        "fp8_enabled": setup.fp8_enabled,
+        "amax_group_ranks": list(setup.amax_group_ranks),
+        "mesh_ranks": sorted(setup.mesh.mesh.flatten().tolist()),
+        "fp8_group_is_amax_group": all(m.fp8_meta.get("fp8_group") is setup.amax_group for m in te_mods.values()),
+        "registered": sorted({r.path[-1] for r in setup.registered_state}),
+        "buffers_visible": sorted(n for n, _ in model.named_buffers() if "_fp8_" in n)[:4],
+        "params_are_dtensors": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+        "optimizer_holds_model_params": {id(p) for g in opt.param_groups for p in g["params"]}
+        == {id(p) for p in model.parameters()},
+    }
+    x, y = _global_batch()
+    per = GLOBAL_BATCH // world_size
+    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    S.emu_reset()
+    for m in te_mods.values():
+        m.fp8_gemm_count = 0
+    losses, same_state = [], []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(float(global_loss) / world_size)
+        same_state.append(_all_equal_across_ranks(fp8_state_tensors(model)))
+    stats = S.emu_stats()
+    facts.update(
+        losses=losses,
+        reference=reference,
+        fp8_state_identical_every_step=same_state,
+        fp8_gemms_per_module={n: m.fp8_gemm_count for n, m in te_mods.items()},
+        amax_reductions=stats["amax_reductions"],
+        amax_groups=[g if g == "WORLD" else list(g) for g in stats["amax_reduction_groups"]],
+        scales_moved=any(float(t.float().abs().sum()) != t.numel() for k, t in fp8_state_tensors(model).items()
+                         if k.endswith("scale")),
+    )
+    return facts
+
+
+def sc_no_convertible_layer(rank, world_size):
+    """Bad input: nothing TE can take -> a warning naming the layers, FP8 off, training still works."""
+    import warnings
+
+    import torch
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = acc.prepare(model, opt)
+    loss = model(torch.randn(4, 10)).sum()
+    acc.backward(loss)
+    opt.step()
+    return {
+        "warnings": [str(w.message) for w in caught if "accel_fp8_fix" in str(w.message)],
+        "fp8_enabled": acc.accel_fp8_fix.fp8_enabled,
+        "loss_finite": bool(torch.isfinite(loss)),
+        "types": [type(m).__name__ for m in model.modules()][1:],
+    }
+
+
+def sc_optimizer_without_model(rank, world_size):
+    import torch
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE)
+    opt = torch.optim.SGD(torch.nn.Linear(16, 16).parameters(), lr=0.1)
+    try:
+        acc.prepare(opt)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": S.err(exc)}
+    return {"error": None}
+
+
+def sc_largest_allocation(rank, world_size):
+    """Largest tensor created while prepare converts: patched (after sharding) vs stock (before)."""
+    import torch
+
+    from accel_fp8_fix.testing.alloc import LargestAllocation
+
+    S.ensure_rehearsal(True)
+    out = {}
+    for label in ("patched", "stock"):
+        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
+        model = S.block_stack(dim=256, seed=0)
+        full = max(p.numel() for p in model.parameters())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if label == "stock":
+            import accel_fp8_fix
+
+            accel_fp8_fix.deactivate()
+        with LargestAllocation() as largest:
+            model, opt = acc.prepare(model, opt)
+        if label == "stock":
+            accel_fp8_fix.activate()
+        out[label] = {"largest": largest.numel, "where": largest.op, "full_weight": full}
+    return out
+
+
+def sc_checkpoint_save(rank, world_size, out_dir):
+    """Train a few FP8 steps, save_state (sharded DCP) + the full state dict as reference."""
+    import torch
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
+    model = S.block_stack(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    x, y = _global_batch()
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(os.path.join(out_dir, "ckpt"))
+    full = acc.get_state_dict(model)
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in full.items()}, os.path.join(out_dir, "reference.pt"))
+        torch.save({k: v.detach().clone() for k, v in fp8_state_tensors(model).items()},
+                   os.path.join(out_dir, "reference_fp8.pt"))
+    return {"keys": sorted(full) if rank == 0 else None}
+
+
+def sc_checkpoint_load(rank, world_size, out_dir):
+    """A fresh model on another world size loads the checkpoint: every weight and FP8 state bit for bit."""
+    import torch
+
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
+    model = S.block_stack(seed=123)  # different init: everything must come from the checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    acc.load_state(os.path.join(out_dir, "ckpt"))
+    full = acc.get_state_dict(model)  # gathered on rank 0 only
+    if rank != 0:
+        full = torch.load(os.path.join(out_dir, "reference.pt"), weights_only=False)
+    reference = torch.load(os.path.join(out_dir, "reference.pt"), weights_only=False)
+    # _extra_state bytes are a pickle (not byte-stable across re-pickling): its content is compared
+    # decoded, through the FP8 state tensors it restored.
+    mismatched = sorted(k for k in reference if not k.endswith("_extra_state")
+                        and (k not in full or not torch.equal(full[k].cpu(), reference[k].cpu())))
+    ref_fp8 = torch.load(os.path.join(out_dir, "reference_fp8.pt"), weights_only=False)
+    got_fp8 = fp8_state_tensors(model)
+    fp8_mismatched = sorted(k for k in ref_fp8 if k not in got_fp8 or not torch.equal(got_fp8[k], ref_fp8[k]))
+    missing = sorted(set(reference) ^ set(full))
+    extra_state_keys = [k for k in reference if k.endswith("_extra_state")]
+    nonempty = [k for k in extra_state_keys if reference[k].numel() > 0]
+    same_fp8 = _all_equal_across_ranks(fp8_state_tensors(model))
+    return {"mismatched": mismatched, "missing": missing, "extra_state_keys": len(extra_state_keys),
+            "fp8_mismatched": fp8_mismatched, "fp8_compared": len(ref_fp8),
+            "fp8_nontrivial": sum(int(float(v.float().abs().sum()) not in (0.0, v.numel())) for v in ref_fp8.values()),
+            "nonempty_extra_state": len(nonempty), "fp8_state_identical": same_fp8}
+
+
+def suite(rank, world_size, plan):
+    """Run ``plan`` = [(scenario name in this module, kwargs), ...] like ``_scenarios.suite``."""
+    import sys
+    import traceback
+
+    out, environ = {}, dict(os.environ)
+    for name, kwargs in plan:
+        os.environ.clear()
+        os.environ.update(environ)
+        try:
+            out[name] = getattr(sys.modules[__name__], name)(rank, world_size, **(kwargs or {}))
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"scenario_error": S.err(exc), "traceback": traceback.format_exc().splitlines()[-25:]}
+    S.reset_accelerate()
+    return out
+
+
+_LAUNCHES: dict = {}
+
+
+def launch(plan, world_size, env=None, timeout=300.0):
+    import json
+
+    from accel_fp8_fix.testing import run_distributed
+
+    key = (json.dumps(plan, sort_keys=True), world_size)
+    if key not in _LAUNCHES:
+        _LAUNCHES[key] = run_distributed(
+            suite, world_size, args=(plan,), env=env or S.ENV_FIXED, init_process_group=False, timeout=timeout,
+            collective_timeout=60, sys_path=[os.path.dirname(os.path.abspath(__file__))],
+        )
+    return _LAUNCHES[key]

@@ -1,0 +1,117 @@
+"""FSDP2 + TE FP8 through the patched ``Accelerator.prepare`` (CPU, gloo, Transformer Engine emulation).
+
+Each test reads facts of scenarios in tests/_fp8_scenarios.py; one launch per world size runs them all.
+The stock behaviour of the same setups is asserted in tests/test_stock_failures.py (A2: zero FP8 GEMMs).
+"""
+
+import pytest
+
+import _fp8_scenarios as F
+import _scenarios as S
+
+PLAN_2 = [
+    ("sc_fsdp2_fp8_train", {}),
+    ("sc_no_convertible_layer", {}),
+    ("sc_optimizer_without_model", {}),
+    ("sc_largest_allocation", {}),
+]
+PLAN_4 = [("sc_fsdp2_fp8_train", {"dp_replicate": 2, "dp_shard": 2, "steps": 4})]
+
+
+def _facts(plan, world, name):
+    results = F.launch(plan, world)
+    return S.facts_of(results, name)
+
+
+@pytest.fixture(scope="module")
+def train2():
+    return _facts(PLAN_2, 2, "sc_fsdp2_fp8_train")
+
+
+def test_conversion_happens_after_sharding_on_the_same_parameters(train2):
+    for f in train2:
+        assert f["converted"] == ["head", "blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.norm",
+                                  "blocks.1.fc1", "blocks.1.fc2"]
+        assert f["skipped"] == []
+        assert f["params_are_dtensors"] and f["optimizer_holds_model_params"]
+
+
+def test_fp8_is_on_for_every_converted_layer_on_every_rank(train2):
+    for f in train2:
+        assert f["fp8_enabled"]
+        assert set(f["fp8_gemms_per_module"]) == {"head", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"}
+        # per step: 1 forward GEMM + 2 backward GEMMs (dgrad, wgrad) per Linear
+        assert all(n == 3 * F.STEPS for n in f["fp8_gemms_per_module"].values()), f["fp8_gemms_per_module"]
+
+
+def test_amax_reduction_is_one_collective_per_pass_on_the_mesh_group(train2):
+    for f in train2:
+        assert f["amax_group_ranks"] == f["mesh_ranks"] == [0, 1]
+        assert f["fp8_group_is_amax_group"]
+        # one forward reduction + one backward reduction per step, whatever the number of layers
+        assert f["amax_reductions"] == 2 * F.STEPS
+
+
+def test_fp8_state_is_registered_as_buffers_and_identical_on_all_ranks_after_every_step(train2):
+    for f in train2:
+        assert f["registered"] == ["amax_history", "scale"]
+        assert f["buffers_visible"]
+        assert f["fp8_state_identical_every_step"] == [True] * F.STEPS
+        assert f["scales_moved"]  # delayed scaling really updated the scales
+
+
+def test_losses_match_the_single_process_fp8_reference(train2):
+    # Before any weight update the FP8 math is identical; afterwards the gradient reduction's summation
+    # order differs, and a last-bit difference can flip one FP8 rounding (a 2**-3 relative step for
+    # e4m3), so later steps agree within FP8 resolution rather than to the last bit.
+    reference = train2[0]["reference"]
+    for f in train2:
+        assert f["losses"][0] == pytest.approx(reference[0], rel=1e-6)
+        assert f["losses"][1] == pytest.approx(reference[1], rel=1e-4)
+        assert f["losses"] == pytest.approx(reference, rel=1e-2)
+    assert reference[-1] < 0.7 * reference[0]
+
+
+def test_two_dim_data_parallel_mesh_flattens_into_one_amax_group():
+    for f in _facts(PLAN_4, 4, "sc_fsdp2_fp8_train"):
+        assert f["mesh_ranks"] == [0, 1, 2, 3]
+        assert f["amax_group_ranks"] == [0, 1, 2, 3]
+        assert f["fp8_group_is_amax_group"]  # TE got the mesh's flattened group, not None
+        # the flattened dp_replicate x dp_shard group spans the world, so c10d hands back WORLD itself
+        assert f["amax_groups"] in ([[0, 1, 2, 3]] * 8, ["WORLD"] * 8)
+        assert f["fp8_state_identical_every_step"] == [True] * 4
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-6)
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+
+
+def test_no_convertible_layer_warns_names_them_and_trains_in_high_precision():
+    for f in _facts(PLAN_2, 2, "sc_no_convertible_layer"):
+        assert not f["fp8_enabled"] and f["loss_finite"]
+        assert any("0: in_features=10, out_features=30" in w for w in f["warnings"])
+        assert any("FP8 stays OFF" in w for w in f["warnings"])
+        assert f["types"].count("Linear") == 2
+
+
+def test_optimizer_without_model_keeps_accelerates_own_error():
+    for f in _facts(PLAN_2, 2, "sc_optimizer_without_model"):
+        assert "a model and optimizer must be passed together" in f["error"]
+
+
+def test_conversion_after_sharding_never_allocates_a_full_size_weight():
+    for f in _facts(PLAN_2, 2, "sc_largest_allocation"):
+        full = f["patched"]["full_weight"]
+        assert f["stock"]["largest"] >= full  # stock builds full-size TE weights before sharding
+        assert f["patched"]["largest"] <= full // 2, f["patched"]
+
+
+def test_checkpoint_saved_on_4_ranks_loads_on_2_bit_for_bit(tmp_path):
+    saved = F.launch([("sc_checkpoint_save", {"out_dir": str(tmp_path)})], 4)
+    keys = S.facts_of(saved, "sc_checkpoint_save")[0]["keys"]
+    assert any(k.endswith("_extra_state") for k in keys) and any(k.endswith("fc1.weight") for k in keys)
+    loaded = F.launch([("sc_checkpoint_load", {"out_dir": str(tmp_path)})], 2)
+    for f in S.facts_of(loaded, "sc_checkpoint_load"):
+        assert f["missing"] == [] and f["mismatched"] == []
+        assert f["extra_state_keys"] == 5 and f["nonempty_extra_state"] == 5  # FP8 state of every TE Linear
+        assert f["fp8_state_identical"]
+        assert f["fp8_compared"] == 20 and f["fp8_mismatched"] == []  # scale + amax_history, fwd + bwd, 5 Linears
+        assert f["fp8_nontrivial"] > 0  # the compared FP8 state is trained state, not initial values
