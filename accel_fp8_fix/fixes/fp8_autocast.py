@@ -35,22 +35,22 @@ def build_recipe(handler):
 
 
 def wrap_forward(model, te, recipe, group, use_during_eval: bool) -> None:
-    """Run ``model.forward`` under TE autocast; an autocast wrapper accelerate added before is replaced."""
+    """Run ``model.forward`` under TE autocast. accelerate's own TE wrapper (``contextual_fp8_autocast``,
+    which passes no group) is replaced; any other wrapper (fp32 outputs, bf16 autocast) is kept inside."""
     autocast = te_autocast(te)
-    forward = model.forward
-    if getattr(forward, "_accel_fp8_fix_autocast", False) or getattr(
-        getattr(forward, "__func__", forward), "_accel_fp8_fix_autocast", False
-    ):
+    target = model.forward
+    func = getattr(target, "__func__", target)
+    if getattr(func, "_accel_fp8_fix_autocast", False):
         return
-    inner = getattr(forward, "__func__", forward)
-    inner = getattr(inner, "__wrapped__", inner)  # drop accelerate's contextual_fp8_autocast (no group)
-    bound = hasattr(forward, "__func__")
+    if "contextual_fp8_autocast" in getattr(func, "__qualname__", "") and hasattr(func, "__wrapped__"):
+        target = func.__wrapped__
+    bound = hasattr(target, "__self__")
 
     def fp8_forward(self, *args, **kwargs):
         enabled = use_during_eval or self.training
         with autocast(enabled, recipe, group):
-            return inner(self, *args, **kwargs) if bound else inner(*args, **kwargs)
+            return target(*args, **kwargs) if bound else target(self, *args, **kwargs)
 
-    fp8_forward.__wrapped__ = inner  # accelerate's extract_model_from_parallel unwraps through this
+    fp8_forward.__wrapped__ = target  # accelerate's extract_model_from_parallel unwraps through this
     fp8_forward._accel_fp8_fix_autocast = True
     model.forward = MethodType(fp8_forward, model)
