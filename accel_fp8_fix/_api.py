@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
 
-from .engine import Engine, PatchError, Selection, load_patch_sets, select_patch_set
-from .engine.declarations import PatchSet
+from typing import TYPE_CHECKING
+
+from .engine.errors import PatchError  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from .engine.declarations import PatchSet, Selection
+    from .engine.engine import Engine
 
 logger = logging.getLogger("accel_fp8_fix")
 
@@ -50,6 +56,8 @@ class _State:
     engine: Engine | None = None
     mode: str = "inactive"
     strict: bool = False
+    requested: bool = False  # activate() was called (and not undone)
+    hook_registered: bool = False
 
 
 _state = _State()
@@ -61,6 +69,8 @@ def _strict_from_env() -> bool:
 
 def choose_patch_set(kind: str = "fix", versions: dict | None = None) -> Selection:
     """The patch set for the installed (or given) versions; ``ACCEL_FP8_FIX_PATCH_SET`` forces one by name."""
+    from .engine.declarations import Selection, load_patch_sets, select_patch_set
+
     sets = load_patch_sets()
     forced = os.environ.get("ACCEL_FP8_FIX_PATCH_SET", "").strip() if kind == "fix" else ""
     if forced:
@@ -77,6 +87,8 @@ def choose_patch_set(kind: str = "fix", versions: dict | None = None) -> Selecti
 
 def engine_for(patch_set: PatchSet) -> Engine:
     """One engine per patch set for the life of the process (wrapt import hooks cannot be removed)."""
+    from .engine.engine import Engine
+
     key = (patch_set.kind, patch_set.name)
     with _state.lock:
         if key not in _state.engines:
@@ -84,11 +96,16 @@ def engine_for(patch_set: PatchSet) -> Engine:
         return _state.engines[key]
 
 
+FIX_TRIGGER = "accelerate"  # fix sets are chosen and applied when accelerate is imported
+
+
 def activate(strict: bool | None = None):
-    """Select the patch set for the installed versions and apply it (now, or when accelerate is imported).
+    """Choose the patch set for the installed versions and apply it: now if accelerate is imported,
+    else when it is (so importing this package stays cheap: no version logic until then).
 
     Idempotent. Unsupported versions: a warning and nothing patched, or UnsupportedVersionError when
-    ``strict`` (or ``ACCEL_FP8_FIX_STRICT=1``). ``ACCEL_FP8_FIX=0`` makes this a no-op.
+    ``strict`` (or ``ACCEL_FP8_FIX_STRICT=1``) — raised by the import of accelerate if that comes later.
+    ``ACCEL_FP8_FIX=0`` makes this a no-op.
     """
     strict = _strict_from_env() if strict is None else strict
     with _state.lock:
@@ -96,27 +113,47 @@ def activate(strict: bool | None = None):
             _state.mode = activation_mode()
             logger.info("accel_fp8_fix: not activated (ACCEL_FP8_FIX=0)")
             return report()
-        if _state.engine is not None and _state.engine.active:
+        if _state.requested and (_state.engine is None or _state.engine.active):
             return report()
-        _state.strict = strict
-        _state.mode = activation_mode()
-        selection = _state.selection = choose_patch_set("fix")
-        if not selection.supported:
-            message = f"accel_fp8_fix: nothing patched: {selection.reason}"
-            if strict:
-                raise UnsupportedVersionError(message)
-            logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            return report()
-        _state.engine = engine_for(selection.patch_set)
-        _state.engine.activate(strict=strict)
+        _state.requested, _state.strict, _state.mode = True, strict, activation_mode()
+        if FIX_TRIGGER in sys.modules:
+            _select_and_apply()
+        elif not _state.hook_registered:
+            import wrapt
+
+            _state.hook_registered = True
+            wrapt.register_post_import_hook(_on_accelerate_import, FIX_TRIGGER)
         return report()
+
+
+def _on_accelerate_import(_module) -> None:
+    with _state.lock:
+        if _state.requested and _state.engine is None:
+            _select_and_apply()
+
+
+def _select_and_apply() -> None:
+    if _state.engine is not None:  # re-activation after deactivate(): same set, same engine
+        _state.engine.activate(strict=_state.strict)
+        return
+    selection = _state.selection = choose_patch_set("fix")
+    if not selection.supported:
+        message = f"accel_fp8_fix: nothing patched: {selection.reason}"
+        if _state.strict:
+            raise UnsupportedVersionError(message)
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return
+    _state.engine = engine_for(selection.patch_set)
+    _state.engine.activate(strict=_state.strict)
 
 
 def deactivate():
     """Undo every patch this package applied (exactly); foreign wrappers on top are kept and reported."""
     with _state.lock:
+        _state.requested = False
         if _state.engine is None:
+            _state.mode = "deactivated"
             return report()
         _state.engine.deactivate()  # warns about foreign wrappers it had to leave in place
         _state.mode = "deactivated"
@@ -185,11 +222,13 @@ def report() -> Report:
                 }
                 for s in engine.states
             ]
+        pending = _state.requested and selection is None and FIX_TRIGGER not in sys.modules
         return Report(
             mode=_state.mode,
             strict=_state.strict,
             patch_set=engine.patch_set.name if engine is not None else None,
-            reason=selection.reason if selection is not None else "",
+            reason=selection.reason if selection is not None else (
+                "pending: the patch set is chosen when accelerate is imported" if pending else ""),
             versions=dict(selection.versions) if selection is not None else {},
             patches=patches,
             error=engine.error if engine is not None else "",

@@ -38,10 +38,11 @@ def test_import_package_never_imports_torch_or_accelerate():
     out = run_py(
         """
         import sys, accel_fp8_fix
-        print(sorted(m for m in ('torch', 'accelerate', 'transformers') if m in sys.modules))
+        print(sorted(m for m in ('torch', 'accelerate', 'transformers', 'packaging.specifiers') if m in sys.modules))
+        print(accel_fp8_fix.report().reason)
         """
     )
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.splitlines() == ["[]", "pending: the patch set is chosen when accelerate is imported"]
 
 
 @pytest.mark.parametrize(
@@ -128,11 +129,13 @@ def test_trampoline_never_breaks_interpreter_start_up(tmp_path):
 
 
 def test_strict_env_turns_a_failed_selection_into_an_error():
+    # The set is chosen when accelerate is imported: that import is what raises.
     proc = run_py(
-        "import accel_fp8_fix",
+        "import accel_fp8_fix; print('package imported'); import accelerate",
         env={"ACCEL_FP8_FIX_STRICT": "1", "ACCEL_FP8_FIX_PATCH_SET": "no-such-set"},
         check=False,
     )
+    assert proc.stdout.strip() == "package imported"
     assert proc.returncode != 0
     assert "UnsupportedVersionError" in proc.stderr and "no-such-set" in proc.stderr
 
@@ -178,7 +181,7 @@ def test_unsupported_real_accelerate_warns_and_leaves_it_untouched(old_accelerat
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
             import accel_fp8_fix
-        import accelerate, accelerate.accelerator
+            import accelerate, accelerate.accelerator
         print(accelerate.__version__, {PREPARE_KIND})
         print(' || '.join(str(w.message) for w in caught))
         """,
@@ -197,7 +200,8 @@ def test_unsupported_real_accelerate_raises_in_strict_mode(old_accelerate):
         check=False,
     )
     assert proc.returncode == 0  # ACCEL_FP8_FIX=0 wins over everything
-    proc = run_py("import accel_fp8_fix", env={"PYTHONPATH": old_accelerate, "ACCEL_FP8_FIX_STRICT": "1"}, check=False)
+    proc = run_py("import accel_fp8_fix, accelerate", env={"PYTHONPATH": old_accelerate, "ACCEL_FP8_FIX_STRICT": "1"},
+                  check=False)
     assert proc.returncode != 0
     assert "UnsupportedVersionError: accel_fp8_fix: nothing patched: unsupported versions" in proc.stderr
     assert "accelerate 1.5.0" in proc.stderr

@@ -26,11 +26,14 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
 from .versions import installed_versions, parse
+
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -98,6 +101,8 @@ def _contains(spec: SpecifierSet, version: str) -> bool:
 
 
 def _specifiers(table: dict, where: str) -> dict[str, SpecifierSet]:
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet  # ~35 ms to import: only when parsing
+
     out = {}
     for name, text in table.items():
         try:

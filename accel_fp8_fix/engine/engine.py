@@ -18,12 +18,9 @@ from dataclasses import dataclass
 import wrapt
 
 from .declarations import PatchSet, PatchSpec
+from .errors import PatchError
 
 logger = logging.getLogger("accel_fp8_fix")
-
-
-class PatchError(RuntimeError):
-    """A patch set could not be applied; nothing of it stays applied."""
 
 
 class FixWrapper(wrapt.FunctionWrapper):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.metadata as md
-
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 
 def installed_version(distribution: str) -> str | None:
     """The installed version string of ``distribution``, or None when it is not installed."""
+    import importlib.metadata as md  # lazily: ~20 ms, paid only when versions are read
+
     try:
         return md.version(distribution)
     except md.PackageNotFoundError:

@@ -4,6 +4,7 @@ import importlib
 import os
 import pickle
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,9 +31,14 @@ def main(tmp: str, rank: str) -> None:
         )
     try:
         result = fn(int(rank), world_size, *payload["args"])
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:
+        # Report first and leave without destroy_process_group(): with peers gone it can block forever.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     (tmp_dir / f"rank{rank}.result").write_bytes(pickle.dumps(result))
 
 

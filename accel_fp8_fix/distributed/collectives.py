@@ -1,0 +1,398 @@
+"""Collectives that never hand a DTensor to c10d and always name their process group.
+
+``torch.distributed.broadcast(dtensor, ...)`` goes through DTensor dispatch for ``c10d.broadcast_.default``
+and fails (torch 2.13: "does not have a sharding strategy registered"; older torch: "found no DeviceMesh
+from dtensor args"); ``dist.scatter`` with DTensors is not even checked. The helpers here take a plain
+tensor or a DTensor, move only the *local* tensor through c10d, on a group named explicitly (``group=``,
+``mesh=``/``dims=``, or the DTensor's own mesh), and refuse what would be wrong silently:
+
+* a DTensor broadcast / all-reduced over a mesh dim it is sharded (or partial) on: a shard is not a replica;
+* a plain tensor with no group at all (nothing defaults to WORLD: pass ``group=dist.group.WORLD``);
+* ``src`` (always a GLOBAL rank) outside the group, or the calling rank outside the group.
+
+Errors name the tensor (``name=``). :func:`group_of` turns a mesh (or some of its dims) into one
+ProcessGroup: it must be called on every rank of the default group, in the same order (it may create
+groups with ``dist.new_group``, a collective over the whole world).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CollectiveError",
+    "group_of",
+    "group_ranks",
+    "to_group_rank",
+    "to_global_rank",
+    "mesh_dims",
+    "is_dtensor",
+    "broadcast_",
+    "all_reduce_",
+    "broadcast_variable",
+    "broadcast_variable_",
+    "broadcast_object",
+    "all_gather_object",
+    "clear_group_cache",
+]
+
+
+class CollectiveError(ValueError):
+    """A collective was asked for something that would be wrong (it names the tensor and the group)."""
+
+
+# ------------------------------------------------------------------------------------------------ basics
+def is_dtensor(obj: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(obj, DTensor)
+
+
+def _label(name: str | None, tensor: Any = None) -> str:
+    if name:
+        return repr(name)
+    if isinstance(tensor, torch.Tensor):
+        kind = "DTensor" if is_dtensor(tensor) else "tensor"
+        return f"<unnamed {kind} {tuple(tensor.shape)} {tensor.dtype}>"
+    return "<unnamed>"
+
+
+def group_ranks(group=None) -> tuple[int, ...]:
+    """The GLOBAL ranks of ``group`` (None: WORLD), in group-rank order."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def to_group_rank(group, global_rank: int, *, name: str | None = None) -> int:
+    """Translate a GLOBAL rank into ``group``'s rank; CollectiveError when it is not a member."""
+    group = group if group is not None else dist.group.WORLD
+    ranks = group_ranks(group)
+    if global_rank not in ranks:
+        raise CollectiveError(
+            f"accel_fp8_fix: global rank {global_rank} is not in the process group of ranks {list(ranks)}"
+            + (f" (tensor {_label(name)})" if name else "")
+        )
+    return dist.get_group_rank(group, global_rank)
+
+
+def to_global_rank(group, group_rank: int) -> int:
+    """Translate ``group``'s rank into the GLOBAL rank."""
+    group = group if group is not None else dist.group.WORLD
+    ranks = group_ranks(group)
+    if not 0 <= group_rank < len(ranks):
+        raise CollectiveError(f"accel_fp8_fix: group rank {group_rank} out of range for group {list(ranks)}")
+    return dist.get_global_rank(group, group_rank)
+
+
+# ------------------------------------------------------------------------------------------------ meshes
+def mesh_dims(mesh, dims=None) -> tuple[int, ...]:
+    """``dims`` (None = all; a name, an index, or a sequence of them) as sorted mesh-dim indices."""
+    if dims is None:
+        return tuple(range(mesh.ndim))
+    if isinstance(dims, (str, int)):
+        dims = (dims,)
+    names = tuple(mesh.mesh_dim_names or ())
+    out = []
+    for d in dims:
+        if isinstance(d, str):
+            if d not in names:
+                raise CollectiveError(f"accel_fp8_fix: mesh {mesh} has no dim named {d!r} (dims: {names})")
+            out.append(names.index(d))
+        elif isinstance(d, int) and -mesh.ndim <= d < mesh.ndim:
+            out.append(d % mesh.ndim)
+        else:
+            raise CollectiveError(f"accel_fp8_fix: {d!r} is not a dim of mesh {mesh}")
+    if len(set(out)) != len(out):
+        raise CollectiveError(f"accel_fp8_fix: dims {dims!r} name a mesh dim twice")
+    return tuple(sorted(out))
+
+
+def _subgroup_layout(mesh, dim_idx: tuple[int, ...]) -> list[list[int]]:
+    """Every group of ``mesh`` spanned by ``dim_idx`` (the other dims fixed), as lists of global ranks."""
+    layout = mesh.mesh
+    other = [d for d in range(mesh.ndim) if d not in dim_idx]
+    size = 1
+    for d in dim_idx:
+        size *= layout.size(d)
+    rows = layout.permute(*other, *dim_idx).reshape(-1, size)
+    return [sorted(int(r) for r in row) for row in rows]
+
+
+_cache_lock = threading.Lock()
+_group_cache: dict = {}
+
+
+def clear_group_cache() -> None:
+    """Forget cached flattened groups (after ``destroy_process_group`` / re-init)."""
+    with _cache_lock:
+        _group_cache.clear()
+
+
+def group_of(mesh, dims=None):
+    """The ProcessGroup of ``mesh`` over ``dims`` (None = all dims) holding the calling rank.
+
+    One dim: the mesh's own group (``mesh.get_group(dim)``), no new communicator. Several dims: the
+    flattened group; WORLD when those dims span exactly the world, else one ``dist.new_group`` per
+    subgroup, created in a fixed order on every rank (collective over the default group: call it on
+    every rank, with the same arguments, in the same order) and cached per (mesh layout, dims).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CollectiveError("accel_fp8_fix: group_of needs an initialised default process group")
+    if mesh is None:
+        raise CollectiveError("accel_fp8_fix: group_of got no mesh")
+    idx = mesh_dims(mesh, dims)
+    if not idx:
+        raise CollectiveError(f"accel_fp8_fix: no dims selected of mesh {mesh}")
+    if mesh.get_coordinate() is None:
+        raise CollectiveError(f"accel_fp8_fix: rank {dist.get_rank()} is not part of mesh {mesh}")
+    if len(idx) == 1:
+        return mesh.get_group(idx[0])
+    subgroups = _subgroup_layout(mesh, idx)
+    world = dist.get_world_size()
+    if len(subgroups) == 1 and subgroups[0] == list(range(world)):
+        return dist.group.WORLD
+    key = (id(dist.group.WORLD), tuple(tuple(g) for g in subgroups), mesh.device_type)
+    with _cache_lock:
+        cached = _group_cache.get(key)
+    if cached is not None:
+        return cached
+    me = dist.get_rank()
+    mine = None
+    for ranks in subgroups:  # same order everywhere: every rank creates every subgroup
+        pg = dist.new_group(ranks=ranks)
+        if me in ranks:
+            mine = pg
+    with _cache_lock:
+        _group_cache[key] = mine
+    return mine
+
+
+# ------------------------------------------------------------------------------------------------ resolution
+def _placement_kind(placement) -> str:
+    if placement.is_replicate():
+        return "replicate"
+    if placement.is_partial():
+        return "partial"
+    return "shard"  # Shard, _StridedShard and anything else that is not a replica
+
+
+def _resolve(tensor, *, mesh, dims, group, name, op: str):
+    """(local plain tensor, process group) for ``tensor``; refuses what would be wrong."""
+    label = _label(name, tensor)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: no default process group is initialised")
+    if group is not None and mesh is not None:
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: pass either group= or mesh=/dims=, not both")
+    if dims is not None and mesh is None and not is_dtensor(tensor):
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: dims= needs mesh= (or a DTensor)")
+    if is_dtensor(tensor):
+        dt_mesh = getattr(tensor, "device_mesh", None)
+        placements = tuple(getattr(tensor, "placements", ()))
+        if group is None:
+            use_mesh = mesh if mesh is not None else dt_mesh
+            if use_mesh is None:
+                raise CollectiveError(
+                    f"accel_fp8_fix: {op} of DTensor {label}: it has no usable device mesh and no group= was given"
+                )
+            group = group_of(use_mesh, dims)
+        local = tensor.to_local()
+        # Which of the DTensor's mesh dims does the group span? Any non-replicated one is refused.
+        if dt_mesh is None or dt_mesh.get_coordinate() is None:
+            raise CollectiveError(
+                f"accel_fp8_fix: {op} of DTensor {label}: rank {dist.get_rank()} is not part of its mesh "
+                f"{dt_mesh}; no usable mesh"
+            )
+        members = set(group_ranks(group))
+        layout = dt_mesh.mesh
+        for d, placement in enumerate(placements):
+            kind = _placement_kind(placement)
+            if kind == "replicate":
+                continue
+            coords = set()
+            for r in members:
+                hit = (layout == r).nonzero()
+                if hit.numel():
+                    coords.add(int(hit[0][d]))
+            if len(coords) > 1:
+                dim_name = (dt_mesh.mesh_dim_names or [None] * dt_mesh.ndim)[d]
+                raise CollectiveError(
+                    f"accel_fp8_fix: refusing to {op} DTensor {label} over ranks {sorted(members)}: it is "
+                    f"{placement} on mesh dim {dim_name or d} and that group spans that dim; a "
+                    f"{'shard' if kind == 'shard' else 'partial value'} is not a replica. Use a group orthogonal "
+                    "to the sharding (dims= the replicated dims), or gather it first (full_tensor())."
+                )
+    elif isinstance(tensor, torch.Tensor):
+        local = tensor
+        if group is None:
+            if mesh is None:
+                raise CollectiveError(
+                    f"accel_fp8_fix: {op} of {label}: a plain tensor needs group= or mesh= (nothing defaults to "
+                    "WORLD; pass group=torch.distributed.group.WORLD to mean it)"
+                )
+            group = group_of(mesh, dims)
+    else:
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: expected a tensor, got {type(tensor).__name__}")
+    if local.device.type == "meta":
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: the tensor is on the meta device (no data)")
+    me = dist.get_rank()
+    if me not in group_ranks(group):
+        raise CollectiveError(
+            f"accel_fp8_fix: {op} of {label}: calling rank {me} is not in the group {list(group_ranks(group))}"
+        )
+    return local, group
+
+
+def _src_in_group(group, src: int, label: str, op: str) -> int:
+    ranks = group_ranks(group)
+    if src not in ranks:
+        raise CollectiveError(
+            f"accel_fp8_fix: {op} of {label}: src={src} (a global rank) is not in the group {list(ranks)}"
+        )
+    return dist.get_group_rank(group, src)
+
+
+def _broadcast_plain(local: torch.Tensor, group, group_src: int) -> None:
+    if local.is_contiguous():
+        dist.broadcast(local, group=group, group_src=group_src)
+    else:  # gloo / nccl want contiguous buffers; copy back into the strided view afterwards
+        buf = local.contiguous()
+        dist.broadcast(buf, group=group, group_src=group_src)
+        local.copy_(buf)
+
+
+# ------------------------------------------------------------------------------------------------ public
+def broadcast_(tensor, *, src: int = 0, mesh=None, dims=None, group=None, name: str | None = None):
+    """In-place broadcast of ``tensor`` (plain or DTensor: its local tensor) from GLOBAL rank ``src``.
+
+    Group: ``group``, else ``group_of(mesh, dims)``, else (DTensor) ``group_of(tensor.device_mesh, dims)``.
+    Every rank passes a tensor of the same shape and dtype. Returns ``tensor``.
+    """
+    local, group = _resolve(tensor, mesh=mesh, dims=dims, group=group, name=name, op="broadcast")
+    label = _label(name, tensor)
+    group_src = _src_in_group(group, src, label, "broadcast")
+    with torch.no_grad():
+        _broadcast_plain(local, group, group_src)
+    return tensor
+
+
+def all_reduce_(tensor, op=None, *, mesh=None, dims=None, group=None, name: str | None = None):
+    """In-place all-reduce (default SUM) of ``tensor`` (plain, or a DTensor's local tensor over replicated dims)."""
+    op = dist.ReduceOp.SUM if op is None else op
+    local, group = _resolve(tensor, mesh=mesh, dims=dims, group=group, name=name, op="all_reduce")
+    with torch.no_grad():
+        if local.is_contiguous():
+            dist.all_reduce(local, op=op, group=group)
+        else:
+            buf = local.contiguous()
+            dist.all_reduce(buf, op=op, group=group)
+            local.copy_(buf)
+    return tensor
+
+
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                   "float8_e8m0fnu", "uint16", "uint32", "uint64") if hasattr(torch, n)),
+)
+_HEADER = 16  # [ndim, dtype index, shape...]
+
+
+def broadcast_variable(
+    tensor, *, src: int = 0, mesh=None, dims=None, group=None, name: str | None = None, device=None
+) -> torch.Tensor:
+    """Broadcast a plain tensor whose shape / dtype only ``src`` knows (e.g. TE ``_extra_state`` bytes).
+
+    A fixed-size int64 header ``[ndim, dtype, *shape]`` goes first, then the payload (skipped when
+    empty). On ``src`` ``tensor`` is the payload; elsewhere it may be None or any tensor (its device is
+    used unless ``device=``). Returns the received tensor (``tensor`` itself, contiguous, on ``src``).
+    """
+    label = _label(name, tensor)
+    if is_dtensor(tensor):
+        raise CollectiveError(
+            f"accel_fp8_fix: broadcast_variable of {label}: DTensors have a fixed global shape; use broadcast_"
+        )
+    if group is None:
+        if mesh is None:
+            raise CollectiveError(
+                f"accel_fp8_fix: broadcast_variable of {label}: needs group= or mesh= (nothing defaults to WORLD)"
+            )
+        group = group_of(mesh, dims)
+    me = dist.get_rank()
+    if me not in group_ranks(group):
+        raise CollectiveError(f"accel_fp8_fix: broadcast_variable of {label}: rank {me} is not in the group")
+    group_src = _src_in_group(group, src, label, "broadcast_variable")
+    if device is None:
+        device = tensor.device if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" else "cpu"
+    device = torch.device(device)
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    if me == src:
+        if not isinstance(tensor, torch.Tensor):
+            raise CollectiveError(f"accel_fp8_fix: broadcast_variable of {label}: src has no tensor to send")
+        if tensor.device.type == "meta":
+            raise CollectiveError(f"accel_fp8_fix: broadcast_variable of {label}: src tensor is on meta")
+        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+            raise CollectiveError(
+                f"accel_fp8_fix: broadcast_variable of {label}: unsupported {tensor.dim()}-d {tensor.dtype} tensor"
+            )
+        header[0] = tensor.dim()
+        header[1] = _DTYPES.index(tensor.dtype)
+        if tensor.dim():
+            header[2 : 2 + tensor.dim()] = torch.tensor(tuple(tensor.shape), dtype=torch.int64)
+    with torch.no_grad():
+        dist.broadcast(header, group=group, group_src=group_src)
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        shape = tuple(int(s) for s in header[2 : 2 + ndim])
+        if me == src:
+            out = tensor.detach().to(device).contiguous()
+        else:
+            out = torch.empty(shape, dtype=dtype, device=device)
+        if out.numel():
+            dist.broadcast(out, group=group, group_src=group_src)
+    return out
+
+
+broadcast_variable_ = broadcast_variable  # the name used in design notes; it returns the received tensor
+
+
+def _object_group(mesh, dims, group, label, op):
+    if group is None:
+        if mesh is None:
+            raise CollectiveError(f"accel_fp8_fix: {op} of {label}: needs group= or mesh= (nothing defaults to WORLD)")
+        group = group_of(mesh, dims)
+    return group
+
+
+def broadcast_object(obj: Any, *, src: int = 0, mesh=None, dims=None, group=None, name: str | None = None,
+                     device=None) -> Any:
+    """Broadcast a picklable object from GLOBAL rank ``src``; returns it on every rank.
+
+    DTensors are refused (pickling one would ship a shard plus its mesh). ``io.BytesIO`` travels as bytes.
+    """
+    label = _label(name, obj)
+    if is_dtensor(obj):
+        raise CollectiveError(f"accel_fp8_fix: broadcast_object of DTensor {label}: use broadcast_ on a replica")
+    group = _object_group(mesh, dims, group, label, "broadcast_object")
+    group_src = _src_in_group(group, src, label, "broadcast_object")
+    payload = [obj.getvalue() if isinstance(obj, io.BytesIO) else obj, isinstance(obj, io.BytesIO)]
+    if dist.get_rank() != src:
+        payload = [None, None]
+    dist.broadcast_object_list(payload, group=group, group_src=group_src, device=device)
+    value, was_bytesio = payload
+    return io.BytesIO(value) if was_bytesio else value
+
+
+def all_gather_object(obj: Any, *, mesh=None, dims=None, group=None, name: str | None = None) -> list:
+    """Every rank's ``obj`` in group-rank order (explicit group, as everywhere here)."""
+    label = _label(name, obj)
+    group = _object_group(mesh, dims, group, label, "all_gather_object")
+    out = [None] * len(group_ranks(group))
+    dist.all_gather_object(out, obj, group=group)
+    return out
+

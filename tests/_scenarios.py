@@ -1,0 +1,815 @@
+"""Scenarios that run inside the ranks of :func:`accel_fp8_fix.testing.run_distributed` (CPU, gloo).
+
+Every scenario is a module-level function ``scenario(rank, world_size, **kwargs) -> dict`` that builds a real
+``Accelerator`` (through :func:`make_accelerator`, which asserts the distributed type and mesh it expects,
+so nothing falls back silently), runs accelerate's own code and returns *measurable facts*: distributed
+type, mesh, parameter types / placements, the error ``prepare()`` raised (or ``None``), emulation counters,
+losses. Tests assert on the facts; the same scenario re-run with the fixes on flips those assertions.
+
+Several scenarios run in one launch (a launch costs seconds): :func:`suite` runs a plan of
+``(scenario name, kwargs)`` in order, resetting accelerate's singletons between them, and
+:func:`launch` memoises whole launches per pytest process, so two test modules asking for the same plan
+pay once. The process group survives between scenarios of a launch (the first rehearsal ``Accelerator``
+creates it; ``PartialState`` reuses an initialised one).
+
+Environments (``env=`` of ``run_distributed``): :data:`ENV_STOCK` (no fixes, no emulation, no
+rehearsal), :data:`ENV_REHEARSAL` (no fixes, TE emulation + rehearsal via the ``.pth`` bootstrap),
+:data:`ENV_FIXED` (fixes on + emulation + rehearsal). Scenarios also call :func:`ensure_rehearsal` so
+they state which gate setting they expect.
+
+``python tests/_scenarios.py --out FILE`` (run by ``accelerate launch``) is the launched-script mode:
+each rank writes what it saw to ``FILE.rank<N>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+# -- environments -----------------------------------------------------------------------------------------
+_OFF = {"ACCELERATE_FP8_ACCEL_FP8_FIX": "0"}
+ENV_STOCK = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_EMULATE_TE": "0"}
+ENV_REHEARSAL = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_EMULATE_TE": "1"}
+ENV_FIXED = {**_OFF, "ACCEL_FP8_FIX": "1", "ACCEL_FP8_FIX_EMULATE_TE": "1"}
+
+DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
+
+
+# -- process-level helpers --------------------------------------------------------------------------------
+def ensure_rehearsal(on: bool = True) -> None:
+    """Put the rehearsal gates in the state the scenario expects (activate / deactivate in this process)."""
+    from accel_fp8_fix.emulation import rehearsal
+
+    if on:
+        rehearsal.activate()
+        import accelerate  # noqa: F401  (applies the wrappers now)
+
+        assert rehearsal.is_applied(), "rehearsal wrappers are not applied"
+    else:
+        rehearsal.deactivate()
+        assert not rehearsal.is_applied()
+
+
+def ensure_emulation() -> None:
+    """Transformer Engine emulation installed (normally done by the bootstrap with ACCEL_FP8_FIX_EMULATE_TE=1)."""
+    import accel_fp8_fix.emulation as emu
+
+    emu.install()
+    from accelerate.utils import is_fp8_available, is_transformer_engine_available
+
+    assert is_transformer_engine_available() and is_fp8_available(), "TE emulation not visible to accelerate"
+
+
+def emu_stats() -> dict:
+    import accel_fp8_fix.emulation as emu
+
+    return emu.stats()
+
+
+def emu_reset() -> None:
+    import accel_fp8_fix.emulation as emu
+
+    emu.reset_stats()
+
+
+def reset_accelerate() -> None:
+    """Forget accelerate's singletons (keeps the process group), so the next Accelerator is built afresh."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def fixes_active() -> bool:
+    import accel_fp8_fix
+
+    return accel_fp8_fix.active_patch_set() is not None
+
+
+def err(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# -- models -----------------------------------------------------------------------------------------------
+def _torch():
+    import torch
+
+    return torch
+
+
+class _Factories:
+    """Lazily built classes (torch is imported inside the ranks only)."""
+
+    _cache: dict = {}
+
+    @classmethod
+    def get(cls):
+        if cls._cache:
+            return cls._cache
+        torch = _torch()
+        nn = torch.nn
+
+        class Block(nn.Module):
+            def __init__(self, dim, hidden):
+                super().__init__()
+                self.norm = nn.LayerNorm(dim)
+                self.fc1 = nn.Linear(dim, hidden)
+                self.fc2 = nn.Linear(hidden, dim)
+
+            def forward(self, x):
+                return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+        class BlockStack(nn.Module):
+            def __init__(self, dim, hidden, depth, out, buffer):
+                super().__init__()
+                self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(depth))
+                self.head = nn.Linear(dim, out)
+                if buffer:
+                    self.register_buffer("scale", torch.full((dim,), 0.5))  # persistent: in state_dict()
+                else:
+                    self.scale = None
+
+            def forward(self, x):
+                if self.scale is not None:
+                    x = x * self.scale
+                for block in self.blocks:
+                    x = block(x)
+                return self.head(x)
+
+        Block.__module__ = BlockStack.__module__ = __name__
+        Block.__qualname__, BlockStack.__qualname__ = "Block", "BlockStack"
+        cls._cache.update(Block=Block, BlockStack=BlockStack)
+        return cls._cache
+
+
+def block_stack(dim: int = DIM, hidden: int = 2 * DIM, depth: int = 2, out: int = 16, buffer: bool = False, seed: int = 0):
+    """A plain-torch stack of pre-norm MLP blocks (``Block``: LayerNorm, Linear, GELU, Linear) and a head.
+
+    ``buffer=True`` adds a persistent plain buffer ``scale`` (it is in ``state_dict()``; A5).
+    """
+    torch = _torch()
+    torch.manual_seed(seed)
+    return _Factories.get()["BlockStack"](dim, hidden, depth, out, buffer)
+
+
+def tiny_llama(hidden: int = DIM, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 2 * DIM,
+               vocab: int = 256, seed: int = 0, **config_kwargs):
+    """A small ``transformers`` ``LlamaForCausalLM`` built from a ``LlamaConfig`` (no download), fp32, eval-free."""
+    torch = _torch()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        **config_kwargs,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def shard_llama_tp(model, mesh_tp):
+    """Shard ``model`` with transformers 5.x tensor parallelism on ``mesh_tp`` (1-D, on its own ranks).
+
+    Uses ``transformers.distributed.tensor_parallel.apply_tensor_parallelism`` with the model's own TP plan
+    (``from_pretrained(tp_plan=...)`` shards over the whole world on CPU, see field notes) and records the
+    TP degree where accelerate's ``get_model_tp_size`` looks (``model.tp_size`` -> ``model._tp_size``).
+    """
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    tp_size = mesh_tp.size()
+    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_size))[0]
+    apply_tensor_parallelism(model, mesh_tp, plan)
+    model._tp_size = tp_size
+    return model
+
+
+def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16, seed: int = 1):
+    torch = _torch()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def dense_batch(dim: int = DIM, batch: int = 4, seed: int = 1):
+    torch = _torch()
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, dim, generator=g), torch.randn(batch, 16, generator=g)
+
+
+# -- the accelerator --------------------------------------------------------------------------------------
+def make_accelerator(
+    fsdp: bool = True,
+    dp_shard: int | None = None,
+    dp_replicate: int | None = None,
+    tp: int | None = None,
+    mixed_precision: str = "fp8",
+    cpu_ram_efficient_loading: bool = False,
+    cpu: bool = False,
+    wrap_cls: list | None = None,
+    fp8_recipe: dict | None = None,
+    expect: str | None = "auto",
+    **plugin_kwargs,
+):
+    """A real ``Accelerator``: ``FullyShardedDataParallelPlugin(fsdp_version=2, ...)`` when ``fsdp``,
+    ``ParallelismConfig`` when any of ``dp_shard`` / ``dp_replicate`` / ``tp`` is given, ``TERecipeKwargs``
+    (``fp8_recipe``, default HYBRID delayed scaling) when ``mixed_precision="fp8"``.
+
+    ``expect`` is the ``DistributedType`` name that must result (``"FSDP"``, ``"MULTI_GPU"``, ``"MULTI_CPU"``,
+    ``"NO"``); ``"auto"``: ``FSDP`` with ``fsdp``, else ``MULTI_GPU`` (what the rehearsal gives); ``None``:
+    not checked (the caller asserts). For a rehearsal result it also asserts device cpu, backend gloo,
+    ``is_fsdp2`` and a mesh on "cpu" with the ParallelismConfig's dims.
+    """
+    reset_accelerate()
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, TERecipeKwargs
+
+    if mixed_precision == "fp8":
+        ensure_emulation()
+    plugin = None
+    if fsdp:
+        kwargs = dict(fsdp_version=2, cpu_ram_efficient_loading=cpu_ram_efficient_loading)
+        if wrap_cls:
+            kwargs.update(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=list(wrap_cls))
+        kwargs.update(plugin_kwargs)
+        plugin = FullyShardedDataParallelPlugin(**kwargs)
+    pc = None
+    if any(v is not None for v in (dp_shard, dp_replicate, tp)):
+        pc = ParallelismConfig(dp_shard_size=dp_shard or 1, dp_replicate_size=dp_replicate or 1, tp_size=tp or 1)
+    handlers = []
+    if mixed_precision == "fp8":
+        handlers.append(TERecipeKwargs(**(fp8_recipe or {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"})))
+    acc = Accelerator(
+        mixed_precision=mixed_precision, fsdp_plugin=plugin, parallelism_config=pc, kwargs_handlers=handlers or None, cpu=cpu
+    )
+    if expect == "auto":
+        expect = "FSDP" if fsdp else "MULTI_GPU"
+    if expect is not None:
+        found = acc.distributed_type.name
+        assert found == expect, f"expected DistributedType.{expect}, got {acc.distributed_type} (silent fallback?)"
+        if expect in ("FSDP", "MULTI_GPU"):
+            assert acc.device.type == "cpu", acc.device
+            assert acc.state.backend == "gloo", acc.state.backend
+            assert acc.num_processes == int(os.environ["WORLD_SIZE"]), acc.num_processes
+            if fsdp:
+                assert acc.is_fsdp2, "FSDP but not FSDP2"
+            if pc is not None:
+                mesh = acc.torch_device_mesh
+                assert mesh is not None and mesh.device_type == "cpu", mesh
+                want = tuple(n for n, s in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp)) if (s or 1) > 1)
+                assert tuple(mesh.mesh_dim_names) == want, (mesh.mesh_dim_names, want)
+    return acc
+
+
+# -- facts ------------------------------------------------------------------------------------------------
+def state_facts(acc) -> dict:
+    mesh = acc.torch_device_mesh
+    return {
+        "distributed_type": acc.distributed_type.name,
+        "is_fsdp2": bool(acc.is_fsdp2),
+        "device": str(acc.device),
+        "backend": acc.state.backend,
+        "num_processes": acc.num_processes,
+        "mixed_precision": acc.mixed_precision,
+        "mesh": mesh_facts(mesh),
+    }
+
+
+def mesh_facts(mesh) -> dict | None:
+    if mesh is None:
+        return None
+    return {"device_type": mesh.device_type, "dim_names": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape)}
+
+
+def param_facts(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    kinds, placements, meshes, te_modules, fsdp_modules = {}, {}, set(), 0, 0
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            kinds[name] = "DTensor"
+            placements[name] = [str(pl) for pl in p.placements]
+            m = p.device_mesh
+            meshes.add((m.device_type, tuple(m.mesh_dim_names or ()), tuple(m.shape)))
+        else:
+            kinds[name] = type(p).__name__
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if type(module).__module__.startswith(("transformer_engine", "accel_fp8_fix.emulation")):
+            te_modules += 1
+        if isinstance(module, FSDPModule):
+            fsdp_modules += 1
+    return {
+        "param_kinds": kinds,
+        "all_dtensor": bool(kinds) and all(k == "DTensor" for k in kinds.values()),
+        "any_dtensor": any(k == "DTensor" for k in kinds.values()),
+        "placements": placements,
+        "param_meshes": sorted([list(m[:1]) + [list(m[1]), list(m[2])] for m in meshes]),
+        "te_modules": te_modules,
+        "fsdp_modules": fsdp_modules,
+        "model_type": type(model).__name__,
+    }
+
+
+def _reference_losses(build, batch_fn, steps: int, lr: float):
+    """Losses of the same model / data / optimizer trained undistributed in this process (the oracle)."""
+    torch = _torch()
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = batch_fn(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _train(acc, model, opt, batch_fn, steps: int):
+    losses = []
+    for _ in range(steps):
+        loss = batch_fn(model)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
+    return losses
+
+
+def _mse(model):
+    torch = _torch()
+    x, y = dense_batch()
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def _lm(model):
+    out = model(**token_batch())
+    return out.loss
+
+
+# -- scenarios: rehearsal gates ---------------------------------------------------------------------------
+def sc_fsdp2_train(rank, world_size, mixed_precision="no", dp_shard=None, cpu=False, steps=2, lr=0.1):
+    """FSDP2 (optionally on a ParallelismConfig(dp_shard) mesh): prepare, train ``steps`` SGD steps, compare
+    with the undistributed oracle (every rank sees the same batch, so FSDP2's averaged gradients equal it)."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    acc = make_accelerator(fsdp=True, dp_shard=dp_shard, mixed_precision=mixed_precision, cpu=cpu, wrap_cls=["Block"])
+    model = block_stack()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model, opt = acc.prepare(model, opt)
+    facts = {**state_facts(acc), **param_facts(model)}
+    facts["losses"] = _train(acc, model, opt, _mse, steps)
+    facts["reference_losses"] = _reference_losses(block_stack, _mse, steps, lr) if mixed_precision == "no" else None
+    facts["optimizer_params_dtensor"] = all(type(p).__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
+    return facts
+
+
+def sc_tp_train(rank, world_size, mixed_precision="no", steps=2, lr=0.1):
+    """ParallelismConfig(tp_size=world) without FSDP: tiny Llama sharded by transformers' TP on the
+    accelerator's "tp" mesh, prepare, train; compare with the undistributed oracle."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    acc = make_accelerator(fsdp=False, tp=world_size, mixed_precision=mixed_precision, expect="MULTI_GPU")
+    model = shard_llama_tp(tiny_llama(), acc.torch_device_mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    facts = {**state_facts(acc)}
+    model, opt = acc.prepare(model, opt)
+    facts.update(param_facts(model))
+    facts["losses"] = _train(acc, model, opt, _lm, steps)
+    facts["reference_losses"] = _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else None
+    return facts
+
+
+def sc_tp_without_tp_size(rank, world_size):
+    """ParallelismConfig(tp_size=world) with a model transformers did not shard: accelerate's own refusal."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    acc = make_accelerator(fsdp=False, tp=world_size, mixed_precision="no", expect="MULTI_GPU")
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        acc.prepare(model, opt)
+        return {"prepare_error": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"prepare_error": err(exc)}
+
+
+def sc_stock_gates(rank, world_size):
+    """Rehearsal OFF in this process: what stock accelerate does with the same requests on CPU ranks."""
+    torch = _torch()
+    ensure_rehearsal(False)
+    facts = {}
+    try:
+        # 1. torchrun-style rank (LOCAL_RANK set), no cpu=True, FSDP2 plugin: silently undistributed.
+        acc = make_accelerator(fsdp=True, mixed_precision="no", expect=None)
+        model, opt = block_stack(), None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = acc.prepare(model, opt)
+        facts["fsdp2_plugin"] = {**state_facts(acc), **param_facts(model)}
+        # 2. cpu=True, FSDP2 plugin: MULTI_CPU, FSDP plugin ignored, DDP.
+        acc = make_accelerator(fsdp=True, mixed_precision="no", cpu=True, expect=None)
+        model = block_stack()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = acc.prepare(model, opt)
+        facts["fsdp2_plugin_cpu"] = {**state_facts(acc), **param_facts(model)}
+        # 3. ParallelismConfig(dp_shard=world) + FSDP2: refused (without cpu=True: size check; with: type check).
+        for key, cpu in (("parallelism_config", False), ("parallelism_config_cpu", True)):
+            try:
+                make_accelerator(fsdp=True, dp_shard=world_size, mixed_precision="no", cpu=cpu, expect=None)
+                facts[key] = {"error": None}
+            except Exception as exc:  # noqa: BLE001
+                facts[key] = {"error": err(exc)}
+        # 4. TP only, cpu=True.
+        try:
+            make_accelerator(fsdp=False, tp=world_size, mixed_precision="no", cpu=True, expect=None)
+            facts["tp_cpu"] = {"error": None}
+        except Exception as exc:  # noqa: BLE001
+            facts["tp_cpu"] = {"error": err(exc)}
+    finally:
+        ensure_rehearsal(True)
+    return facts
+
+
+def sc_fsdp2_cpu_true(rank, world_size):
+    """Rehearsal on, ``Accelerator(cpu=True, fsdp_plugin=...)``: still FSDP2 (not MULTI_CPU + DDP)."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    acc = make_accelerator(fsdp=True, dp_shard=world_size, mixed_precision="no", cpu=True)
+    model = block_stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    return {**state_facts(acc), **param_facts(model)}
+
+
+def sc_partial_state_first(rank, world_size):
+    """``PartialState()`` first (as TrainingArguments / many scripts do), intent only in the launcher's
+    environment (ACCELERATE_USE_FSDP=true, FSDP_VERSION=2), then ``Accelerator()`` with no arguments."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    reset_accelerate()
+    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+                      FSDP_TRANSFORMER_CLS_TO_WRAP="Block")
+    from accelerate import Accelerator, PartialState
+
+    ps = PartialState()
+    facts = {"partial_state": {"distributed_type": ps.distributed_type.name, "backend": ps.backend, "device": str(ps.device)}}
+    acc = Accelerator()
+    facts.update(state_facts(acc))
+    model = block_stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    facts.update(param_facts(model))
+    return facts
+
+
+def sc_mesh_2d(rank, world_size, dp_shard=2, tp=2, mixed_precision="no", steps=1, lr=0.1):
+    """FSDP2 x TP: ParallelismConfig(dp_shard, tp) builds the 2-D mesh on cpu; tiny Llama TP-sharded on
+    mesh["tp"]; prepare (A10 on stock with transformers 5.x); a training step when prepare succeeds."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    acc = make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision=mixed_precision, wrap_cls=["LlamaDecoderLayer"])
+    mesh = acc.torch_device_mesh
+    facts = state_facts(acc)
+    facts["flattened"] = sorted(n for n in ("dp", "dp_shard_cp", "dp_cp") if _has_mesh_dim(mesh, n))
+    facts["coordinate"] = list(mesh.get_coordinate())
+    model = shard_llama_tp(tiny_llama(), mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    try:
+        model, opt = acc.prepare(model, opt)
+        facts["prepare_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        facts["prepare_error"] = err(exc)
+        return facts
+    facts.update(param_facts(model))
+    facts["losses"] = _train(acc, model, opt, _lm, steps)
+    facts["reference_losses"] = _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else None
+    return facts
+
+
+def _has_mesh_dim(mesh, name):
+    try:
+        mesh[name]
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# -- scenarios: stock failures (the "before" of each fix) -------------------------------------------------
+def sc_a1_tp_te(rank, world_size):
+    """A1: ParallelismConfig(tp_size=world) + tiny Llama sharded by transformers' TP + mixed_precision="fp8".
+    Stock: ``prepare()`` raises "got mixed torch.Tensor and DTensor" (convert_model copies a DTensor weight
+    into a plain te.Linear). Facts when it succeeds: FP8 GEMMs in a forward, loss finite."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    acc = make_accelerator(fsdp=False, tp=world_size, mixed_precision="fp8", expect="MULTI_GPU")
+    model = shard_llama_tp(tiny_llama(), acc.torch_device_mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    facts = state_facts(acc)
+    try:
+        model, opt = acc.prepare(model, opt)
+        facts["prepare_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        facts["prepare_error"] = err(exc)
+        facts["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
+        return facts
+    facts.update(param_facts(model))
+    emu_reset()
+    loss = _lm(model)
+    facts["fwd_stats"] = _pick(emu_stats())
+    facts["loss"] = float(loss.detach())
+    return facts
+
+
+def sc_a2_fsdp2_te(rank, world_size, dp_shard=None):
+    """A2: FSDP2 + mixed_precision="fp8". Stock: prepare succeeds, te modules exist, but the forward runs zero
+    FP8 GEMMs (apply_fp8_autowrap is never called on the FSDP2 path)."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    acc = make_accelerator(fsdp=True, dp_shard=dp_shard, mixed_precision="fp8", wrap_cls=["Block"])
+    model = block_stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    facts = state_facts(acc)
+    try:
+        model, opt = acc.prepare(model, opt)
+        facts["prepare_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        facts["prepare_error"] = err(exc)
+        return facts
+    facts.update(param_facts(model))
+    emu_reset()
+    loss = _mse(model)
+    facts["fwd_stats"] = _pick(emu_stats())
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    facts["step_stats"] = _pick(emu_stats())
+    facts["loss"] = float(loss.detach())
+    return facts
+
+
+def _pick(stats: dict) -> dict:
+    keys = ("fp8_gemms", "fp8_gemms_fwd", "fp8_gemms_bwd", "non_fp8_gemms", "non_fp8_gemms_fwd", "non_fp8_gemms_bwd",
+            "amax_reductions", "amax_reduction_groups")
+    return {k: stats.get(k) for k in keys}
+
+
+def sc_a4_convert_model(rank, world_size):
+    """A4 (local, no collective): ``accelerate.utils.transformer_engine.convert_model`` on a module whose
+    second Linear has out_features 40 (not divisible by 16). Stock: siblings after it stay torch modules."""
+    torch = _torch()
+    nn = torch.nn
+    # convert_model reads AcceleratorState (GatheredParameters), so an Accelerator must exist: an undistributed
+    # one (no FSDP / mesh requested, so the rehearsal leaves it alone).
+    make_accelerator(fsdp=False, mixed_precision="fp8", expect="NO")
+    from accelerate.utils.transformer_engine import convert_model
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.first = nn.Linear(DIM, DIM)
+    model.odd = nn.Linear(DIM, 40)
+    model.after = nn.Linear(DIM, DIM)
+    model.norm_after = nn.LayerNorm(DIM)
+    model.nested = nn.Sequential(nn.Linear(DIM, DIM))
+    with torch.no_grad():
+        convert_model(model)
+    return {name: type(child).__module__.split(".")[0] + "." + type(child).__name__ for name, child in model.named_children()} | {
+        "nested.0": type(model.nested[0]).__module__.split(".")[0] + "." + type(model.nested[0]).__name__
+    }
+
+
+def sc_a5_ram_efficient(rank, world_size, kind="buffer"):
+    """A5: FSDP2 with ``cpu_ram_efficient_loading=True``. ``kind="buffer"``: a model with a persistent plain
+    buffer (mixed "no"); ``kind="te"``: te modules (``_extra_state`` in the state dict, mixed "fp8").
+    Stock: ``fsdp2_load_full_state_dict`` reads ``.device_mesh`` of a plain tensor -> AttributeError."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    mp = "fp8" if kind == "te" else "no"
+    acc = make_accelerator(fsdp=True, dp_shard=world_size, mixed_precision=mp, cpu_ram_efficient_loading=True, wrap_cls=["Block"])
+    model = block_stack(buffer=(kind == "buffer"))
+    reference = {k: v.detach().clone() for k, v in block_stack(buffer=(kind == "buffer")).state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    facts = state_facts(acc)
+    try:
+        model, opt = acc.prepare(model, opt)
+        facts["prepare_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        facts["prepare_error"] = err(exc)
+        from torch.distributed.tensor import DTensor
+
+        # What fsdp2_load_full_state_dict met: the state-dict entries that are not DTensors after fully_shard.
+        facts["plain_state_dict_entries"] = sorted(k for k, v in model.state_dict().items() if not isinstance(v, DTensor))
+        return facts
+    facts.update(param_facts(model))
+    # The loaded weights must be the original ones (rank 0's), whole after gathering.
+    mismatched = []
+    for name, value in model.state_dict().items():
+        if name.endswith("_extra_state") or name not in reference:
+            continue
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if full.shape != reference[name].shape or not torch.allclose(full.float(), reference[name].float()):
+            mismatched.append(name)
+    facts["mismatched_after_load"] = mismatched
+    facts["loss"] = float(_mse(model).detach())
+    return facts
+
+
+def sc_a6_tp_full_sd(rank, world_size, dp_shard=2, tp=2):
+    """A6: ``fsdp2_load_full_state_dict`` with TP-sharded params, exactly as ``fsdp2_prepare_model`` calls it
+    for cpu_ram_efficient_loading (state_dict of the TP'd model -> meta -> fully_shard on the dp_shard mesh
+    -> load). Called directly because ``prepare()`` stops earlier on A10. Stock: rank 0 broadcasts its local
+    TP shard while the others expect the global shape."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    acc = make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision="no", cpu_ram_efficient_loading=True)
+    mesh = acc.torch_device_mesh
+    model = shard_llama_tp(tiny_llama(), mesh["tp"])
+    reference = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+    original_sd = model.state_dict()
+    model = model.to(torch.device("meta"))
+    fsdp_mesh = mesh[tuple(acc.parallelism_config.fsdp_dim_names)]
+    facts = {**state_facts(acc), "fsdp_mesh": mesh_facts(fsdp_mesh)}
+    try:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+        facts["shard_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        facts["shard_error"] = err(exc)
+        return facts
+    try:
+        fsdp2_load_full_state_dict(acc, model, original_sd)
+        facts["load_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        facts["load_error"] = err(exc)
+        return facts
+    # Compare this rank's local shards with the expected ones, without any collective (rank 0 may be gone).
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mismatched = []
+    for name, value in model.state_dict().items():
+        if not isinstance(value, DTensor):
+            continue
+        expected = distribute_tensor(reference[name], value.device_mesh, value.placements, src_data_rank=None)
+        local, want = value.to_local(), expected.to_local()
+        if local.shape != want.shape or not torch.allclose(local, want):
+            mismatched.append(name)
+    facts["mismatched_local_shards"] = mismatched
+    return facts
+
+
+# -- suites and launches ----------------------------------------------------------------------------------
+def suite(rank, world_size, plan):
+    """Run ``plan`` = [(scenario name, kwargs), ...] in order in this rank; {name or name#i: facts}.
+
+    A scenario that raises records ``{"scenario_error": ..., "traceback": [...]}`` instead of aborting the
+    launch (the tests then fail on that scenario with its traceback).
+    """
+    out = {}
+    this = sys.modules[__name__]
+    environ = dict(os.environ)
+    seen = set()
+    for i, (name, kwargs) in enumerate(plan):
+        key = name if name not in seen else f"{name}#{i}"
+        seen.add(name)
+        # accelerate writes ACCELERATE_USE_FSDP / FSDP_* into os.environ: start every scenario from the launch's.
+        os.environ.clear()
+        os.environ.update(environ)
+        try:
+            out[key] = getattr(this, name)(rank, world_size, **(kwargs or {}))
+        except Exception as exc:  # noqa: BLE001
+            out[key] = {"scenario_error": err(exc), "traceback": traceback.format_exc().splitlines()[-25:]}
+    reset_accelerate()
+    out["_meta"] = meta_facts()
+    return out
+
+
+def meta_facts() -> dict:
+    """Which layers were on in this rank: the fix set, the rehearsal wrappers, the TE emulation."""
+    import accel_fp8_fix.emulation as emu
+    from accel_fp8_fix.emulation import rehearsal
+
+    return {"fixes_active": fixes_active(), "rehearsal_applied": rehearsal.is_applied(), "emulation": emu.is_installed()}
+
+
+# The launches both test modules share (memoised by launch()): rehearsal gates + stock failures on 2 ranks,
+# 2-D mesh / A10 / A6 on 4 ranks. A6 stays last: after it rank 0 may have left its collectives.
+PLAN_2RANK = [
+    ("sc_fsdp2_train", {}),
+    ("sc_fsdp2_train", {"dp_shard": 2}),
+    ("sc_fsdp2_cpu_true", {}),
+    ("sc_tp_train", {}),
+    ("sc_tp_without_tp_size", {}),
+    ("sc_partial_state_first", {}),
+    ("sc_a4_convert_model", {}),
+    ("sc_a2_fsdp2_te", {}),
+    ("sc_a1_tp_te", {}),
+    ("sc_a5_ram_efficient", {"kind": "buffer"}),
+    ("sc_a5_ram_efficient", {"kind": "te"}),
+    ("sc_stock_gates", {}),
+]
+PLAN_4RANK = [
+    ("sc_fsdp2_train", {"dp_shard": 4}),
+    ("sc_mesh_2d", {}),
+    ("sc_a6_tp_full_sd", {}),
+]
+
+
+def key_of(plan, name, kwargs=None) -> str:
+    """The result key suite() gives to ``(name, kwargs)`` in ``plan``."""
+    seen = set()
+    for i, (n, kw) in enumerate(plan):
+        key = n if n not in seen else f"{n}#{i}"
+        seen.add(n)
+        if n == name and (kwargs is None or (kw or {}) == kwargs):
+            return key
+    raise KeyError((name, kwargs))
+
+
+_LAUNCHES: dict = {}
+
+
+def launch(plan, world_size: int, env: dict | None = None, timeout: float = 150.0, collective_timeout: float = 45.0):
+    """``run_distributed(suite, world_size, args=(plan,), env=env, init_process_group=False)``, memoised for the
+    life of the (pytest) process: returns the per-rank dicts of :func:`suite`."""
+    from accel_fp8_fix.testing import run_distributed
+
+    key = (json.dumps(plan, sort_keys=True), world_size, json.dumps(env or {}, sort_keys=True))
+    if key not in _LAUNCHES:
+        _LAUNCHES[key] = run_distributed(
+            suite,
+            world_size,
+            args=(plan,),
+            env=env,
+            init_process_group=False,
+            timeout=timeout,
+            collective_timeout=collective_timeout,
+            sys_path=[os.path.dirname(os.path.abspath(__file__))],
+        )
+    return _LAUNCHES[key]
+
+
+def facts_of(results, name):
+    """The facts of scenario ``name`` on every rank; fails with the rank's traceback if it raised."""
+    out = []
+    for rank, res in enumerate(results):
+        f = res[name]
+        if isinstance(f, dict) and "scenario_error" in f:
+            raise AssertionError(f"scenario {name} raised on rank {rank}: {f['scenario_error']}\n" + "\n".join(f["traceback"]))
+        out.append(f)
+    return out
+
+
+# -- launched-script mode (accelerate launch tests/_scenarios.py --out FILE) ------------------------------
+def _launched_main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch = _torch()
+    from accelerate import Accelerator
+    from accel_fp8_fix.emulation import rehearsal
+
+    acc = Accelerator()  # everything comes from the launcher's environment (FSDP plugin, mixed precision)
+    model = block_stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    facts = {
+        "rehearsal_applied": rehearsal.is_applied(),
+        "rehearsal_decision": rehearsal.last_decision(),
+        "env": {k: os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_FSDP", "FSDP_VERSION",
+                                               "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION")},
+        "fsdp_version": getattr(acc.state.fsdp_plugin, "fsdp_version", None) if acc.is_fsdp2 or acc.distributed_type.name == "FSDP" else None,
+    }
+    facts.update(state_facts(acc))
+    try:
+        model, opt = acc.prepare(model, opt)
+        facts["prepare_error"] = None
+        facts.update(param_facts(model))
+        emu_reset()
+        facts["losses"] = _train(acc, model, opt, _mse, args.steps)
+        facts["stats"] = _pick(emu_stats())
+    except Exception as exc:  # noqa: BLE001
+        facts["prepare_error"] = err(exc)
+    with open(f"{args.out}.rank{acc.process_index}.json", "w") as fh:
+        json.dump(facts, fh, indent=1, default=str)
+    acc.end_training() if hasattr(acc, "end_training") else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_launched_main())
