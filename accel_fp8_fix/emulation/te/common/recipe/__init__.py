@@ -141,9 +141,9 @@ class Float8CurrentScaling(Recipe):
 
     use_power_2_scales: bool = _POW2
     fp8_format: Format = Format.HYBRID
-    fp8_quant_fwd_inp: QParams = QParams(power_2_scale=_POW2, amax_epsilon=0.0)
-    fp8_quant_fwd_weight: QParams = QParams(power_2_scale=_POW2, amax_epsilon=0.0)
-    fp8_quant_bwd_grad: QParams = QParams(power_2_scale=_POW2, amax_epsilon=0.0)
+    fp8_quant_fwd_inp = QParams(power_2_scale=_POW2, amax_epsilon=0.0)
+    fp8_quant_fwd_weight = QParams(power_2_scale=_POW2, amax_epsilon=0.0)
+    fp8_quant_bwd_grad = QParams(power_2_scale=_POW2, amax_epsilon=0.0)
     fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
     fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
