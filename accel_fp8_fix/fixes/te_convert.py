@@ -63,6 +63,42 @@ def record_tp_layout(model: nn.Module) -> dict:
     return layout
 
 
+def transformers_tp_style(module: nn.Module):
+    """The transformers TP style object captured by the instance ``forward`` it installed, or None."""
+    forward = module.__dict__.get("forward")
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if hasattr(value, "transform_inputs_pre_forward") and hasattr(value, "install_forward"):
+            return value
+    return None
+
+
+def _te_tp_mismatch(module: nn.Module, mode) -> str | None:
+    """Why TE's own TP cannot reproduce the layout transformers gave this Linear (None when it can).
+
+    TE column mode takes the full input and returns the local output shard; row mode takes the local
+    input shard and returns the all-reduced output. Styles that gather the output (lm_head's
+    ``colwise_gather_output``) or use other layouts keep their transformers wrapper.
+    """
+    style = transformers_tp_style(module)
+    if style is None or mode is None:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    inp, out = getattr(style, "input_layouts", None), getattr(style, "output_layouts", None)
+    local = getattr(style, "use_local_output", True)
+    want = {"column": (Replicate(), Shard(-1)), "row": (Shard(-1), Replicate())}[mode]
+    same = [a == b or (isinstance(a, Shard) and isinstance(b, Shard) and a.dim in (-1, 1) and b.dim == -1)
+            for a, b in zip((inp, out), want)]
+    if all(same) and local:
+        return None
+    return (f"its TP style {type(style).__name__}(input {inp}, output {out}, local output {local}) has no "
+            f"Transformer Engine {mode}-parallel equivalent")
+
+
 def _te_dims_ok(*dims: int) -> bool:
     return all(d % 16 == 0 for d in dims)
 
@@ -127,7 +163,7 @@ class _LocalShardsDuringForward:
         module._accel_fp8_fix_saved_params = {}
 
 
-def _install_local_shards(module: nn.Module, names, tp_mesh) -> None:
+def install_local_shards(module: nn.Module, names, tp_mesh) -> None:
     hooks = _LocalShardsDuringForward(tuple(names), tp_mesh)
     module.register_forward_pre_hook(hooks.pre)
     module.register_forward_hook(hooks.post, always_call=True)
@@ -152,8 +188,11 @@ def _new_layernorm(te, norm: nn.LayerNorm, name: str):
     return te.LayerNorm(norm.normalized_shape[0], eps=norm.eps, params_dtype=norm.weight.dtype, device="meta")
 
 
-def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = True) -> ConversionReport:
-    """Swap supported modules for TE ones in place, keeping every Parameter object; return what happened."""
+def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = True, exclude=()) -> ConversionReport:
+    """Swap supported modules for TE ones in place, keeping every Parameter object; return what happened.
+
+    ``exclude``: qualified module names to keep as they are (e.g. ``("lm_head",)``).
+    """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
@@ -163,13 +202,15 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if name in exclude:
+                continue
             if isinstance(child, nn.Linear):
                 if not _te_dims_ok(child.in_features, child.out_features):
                     reason = f"in_features={child.in_features}, out_features={child.out_features} (TE needs multiples of 16)"
                 elif isinstance(child, FSDPModule):
                     reason = "it is an FSDP2 unit of its own (its unshard hooks live on this module object)"
                 else:
-                    reason = None
+                    reason = _te_tp_mismatch(child, getattr(child, TP_ATTR, (None, None))[0])
                 if reason is not None:
                     report.skipped.append((name, reason))
                     continue
@@ -192,7 +233,7 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
             _retarget_fsdp(fsdp_params, child, new)
             tp_mesh = getattr(child, TP_ATTR, (None, None))[1]
             if tp_mesh is not None:
-                _install_local_shards(new, names, tp_mesh)
+                install_local_shards(new, names, tp_mesh)
             setattr(parent, child_name, new)
             report.converted.append(name)
     if report.skipped:

@@ -1,0 +1,81 @@
+"""Tensor parallelism for TE (A8, A9, A10): accelerate's ``_prepare_tp`` without transformers internals.
+
+Stock ``_prepare_tp`` (FSDP2 x TP) imports ``transformers.integrations.tensor_parallel.ReplicateParallel``,
+which transformers 5.x no longer has (A10), to wrap the parameters TP left plain as ``Replicate``
+DTensors on ``mesh["tp"]``. Here this package does that itself: each plain parameter becomes a
+``Replicate`` DTensor Parameter (no copy, ``from_local``), its module gets forward hooks that hand the
+module its local tensors (so a plain activation never meets a DTensor parameter), and the optimizer is
+pointed at the new Parameter objects. The model is then DTensor-native outside forward, so FSDP2's
+2-D sharding, ``clip_grad_norm_`` (A9) and DCP see one kind of tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .te_convert import TP_ATTR, install_local_shards
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:
+    """Wrap every non-DTensor parameter as a ``Replicate`` DTensor on ``tp_mesh``; {old param: new param}."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mapping = {}
+    for module in model.modules():
+        names = [n for n, p in module._parameters.items() if p is not None and not _is_dtensor(p)]
+        if not names:
+            continue
+        for name in names:
+            old = module._parameters[name]
+            if old in mapping:  # tied parameter: same new object everywhere
+                module._parameters[name] = mapping[old]
+                continue
+            local = DTensor.from_local(old.data, tp_mesh, [Replicate()], run_check=False)
+            new = nn.Parameter(local, requires_grad=old.requires_grad)
+            module._parameters[name] = new
+            mapping[old] = new
+        setattr(module, TP_ATTR, (getattr(module, TP_ATTR, (None, None))[0], tp_mesh))
+        install_local_shards(module, names, tp_mesh)
+    return mapping
+
+
+def remap_optimizer(optimizer, mapping: dict) -> None:
+    """Point ``optimizer`` at the new Parameter objects (by identity; stock matched data pointers)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer
+    for group in optimizer.param_groups:
+        group["params"] = [mapping.get(p, p) for p in group["params"]]
+    for old, new in mapping.items():
+        if old in optimizer.state:
+            optimizer.state[new] = optimizer.state.pop(old)
+
+
+def prepare_tp(wrapped, instance, args, kwargs):
+    """``Accelerator._prepare_tp``: same passes as stock, then this package's Replicate wrapping (no
+    ``ReplicateParallel``) when FSDP2 is on or when the TE prepare of this package runs."""
+    from .prepare import DEFER_FLAG
+
+    if not (instance.is_fsdp2 or getattr(instance, DEFER_FLAG, False)):
+        return wrapped(*args, **kwargs)
+    result = [instance._prepare_one(obj, first_pass=True) if not isinstance(obj, nn.Module) else obj for obj in args]
+    result = [instance._prepare_one(obj) if not isinstance(obj, nn.Module) else obj for obj in result]
+    models = [obj for obj in result if isinstance(obj, nn.Module)]
+    if not any(_is_dtensor(p) for m in models for p in m.parameters()):
+        raise ValueError(
+            "accel_fp8_fix: ParallelismConfig has tp_size > 1 but no parameter of the model is a DTensor: shard the "
+            "model with tensor parallelism first (transformers `tp_plan`, or torch `parallelize_module` on "
+            "accelerator.torch_device_mesh['tp'])"
+        )
+    tp_mesh = instance.torch_device_mesh["tp"]
+    for model in models:
+        mapping = replicate_plain_parameters(model, tp_mesh)
+        for obj in result:
+            if isinstance(obj, torch.optim.Optimizer):
+                remap_optimizer(obj, mapping)
+    return result

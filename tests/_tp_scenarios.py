@@ -1,0 +1,189 @@
+"""TP and FSDP2 x TP + TE FP8 scenarios (CPU, gloo, Transformer Engine *emulation*) for tests/test_tp_fp8.py.
+
+A tiny transformers Llama is sharded with transformers 5.x TP (``_scenarios.shard_llama_tp``), prepared by
+the patched accelerate with ``mixed_precision="fp8"``, and trained; facts come back to the test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import _fp8_scenarios as F
+import _scenarios as S
+
+STEPS = 6
+LR = 0.02
+GLOBAL_BATCH = 4
+RECIPE = F.RECIPE
+
+
+def _batch(rank_slice=None):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (GLOBAL_BATCH, 16), generator=g)
+    if rank_slice is not None:
+        ids = ids[rank_slice]
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _reference_losses(steps=STEPS):
+    """The same Llama, converted to emulated TE in one process (lm_head kept, as under TP), full batch."""
+    import torch
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+
+    model = S.tiny_llama(seed=0)
+    convert_after_sharding(model, te, exclude=("lm_head",))
+    recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
+                                      reduce_amax=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(steps):
+        with te_autocast(te)(True, recipe, None):
+            loss = model(**_batch()).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    te.FP8GlobalStateManager.reset()
+    return losses
+
+
+def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=True, spy=False):
+    """TP (or dp_shard x TP with FSDP2) + FP8 through the patched prepare; losses vs one process."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.testing.spy import CollectiveSpy
+
+    S.ensure_rehearsal(True)
+    fsdp = dp_shard is not None
+    extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)} if fsdp else {}
+    acc = S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
+                             wrap_cls=["LlamaDecoderLayer"] if fsdp else None, expect=None if not fsdp else "auto", **extra)
+    reference = _reference_losses(steps)
+    mesh = acc.torch_device_mesh
+    model = S.shard_llama_tp(S.tiny_llama(seed=0), mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with CollectiveSpy() as prepare_spy:
+        model, opt = acc.prepare(model, opt)
+    setup = acc.accel_fp8_fix
+    te_mods = {n: m for n, m in model.named_modules() if hasattr(m, "fp8_meta")}
+    facts = {
+        "distributed_type": acc.distributed_type.name,
+        "mesh_dims": list(mesh.mesh_dim_names),
+        "converted": setup.conversion.converted,
+        "skipped": [n for n, _ in setup.conversion.skipped],
+        "skip_reasons": [r for _, r in setup.conversion.skipped],
+        "parallel_modes": {n: getattr(m, "parallel_mode", None) for n, m in te_mods.items()},
+        "tp_sizes": sorted({getattr(m, "tp_size", 1) for m in te_mods.values()}),
+        "all_params_dtensor": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+        "same_param_objects_in_optimizer": {id(p) for g in opt.param_groups for p in g["params"]}
+        == {id(p) for p in model.parameters()},
+        "amax_group_ranks": list(setup.amax_group_ranks),
+        "prepare_dtensor_collectives": len(prepare_spy.dtensor_calls),
+    }
+    if fsdp:
+        dp_rank = mesh["dp_shard"].get_local_rank()
+        per = GLOBAL_BATCH // dp_shard
+        batch = _batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    else:
+        batch = _batch()
+    losses, same, norms = [], [], []
+    S.emu_reset()
+    with CollectiveSpy() as train_spy:
+        for _ in range(steps):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            if clip:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), 1e9)))
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            if fsdp:  # mean over the data-parallel ranks (TP ranks hold the same loss)
+                dist.all_reduce(value, group=mesh["dp_shard"].get_group())
+                value /= dp_shard
+            losses.append(float(value))
+            same.append(F._all_equal_across_ranks(fp8_state_tensors(model)))
+    stats = S.emu_stats()
+    facts.update(
+        losses=losses,
+        reference=reference,
+        fp8_state_identical_every_step=same,
+        grad_norms=norms,
+        fp8_gemms_per_module={n: m.fp8_gemm_count for n, m in te_mods.items()},
+        amax_reductions=stats["amax_reductions"],
+        train_dtensor_collectives=len(train_spy.dtensor_calls),
+        train_groups=sorted({tuple(c.group_ranks) for c in train_spy.calls() if c.group_ranks is not None}),
+    )
+    return facts
+
+
+def sc_tp_checkpoint_save(rank, world_size, out_dir, dp_shard=2, tp=2):
+    import torch
+
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.testing.spy import CollectiveSpy
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
+                             wrap_cls=["LlamaDecoderLayer"])
+    model = S.shard_llama_tp(S.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    for _ in range(2):
+        loss = model(**_batch()).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    with CollectiveSpy() as spy:
+        acc.save_state(os.path.join(out_dir, "ckpt"))
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({"params": params, "fp8": {k: v.clone() for k, v in fp8_state_tensors(model).items()}},
+                   os.path.join(out_dir, "reference.pt"))
+    return {"save_dtensor_collectives": len(spy.dtensor_calls)}
+
+
+def sc_tp_checkpoint_load(rank, world_size, out_dir, dp_shard=2, tp=2):
+    import torch
+
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.testing.spy import CollectiveSpy
+
+    S.ensure_rehearsal(True)
+    tp_on = tp is not None and tp > 1
+    acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp if tp_on else None, mixed_precision="fp8",
+                             fp8_recipe=RECIPE, wrap_cls=["LlamaDecoderLayer"])
+    model = S.tiny_llama(seed=99)  # different init: everything must come from the checkpoint
+    if tp_on:
+        model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    with CollectiveSpy() as spy:
+        acc.load_state(os.path.join(out_dir, "ckpt"))
+    reference = torch.load(os.path.join(out_dir, "reference.pt"), weights_only=False)
+    got = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    fp8 = fp8_state_tensors(model)
+    return {
+        "param_mismatch": sorted(n for n, t in reference["params"].items() if n not in got or not torch.equal(got[n], t)),
+        "fp8_mismatch": sorted(k for k, t in reference["fp8"].items() if k not in fp8 or not torch.equal(fp8[k], t)),
+        "fp8_compared": len(reference["fp8"]),
+        "load_dtensor_collectives": len(spy.dtensor_calls),
+    }
+
+
+def suite(rank, world_size, plan):
+    import sys
+
+    return F.run_plan(sys.modules[__name__], rank, world_size, plan)
+
+
+def launch(plan, world_size, timeout=400.0):
+    return F.launch(plan, world_size, timeout=timeout, suite_fn=suite)

@@ -1,0 +1,148 @@
+"""Helpers for tests/test_accelerate_versions.py: real accelerate releases of a patch set's window.
+
+* :func:`install` puts ``accelerate==<version>`` (``pip install --no-deps --target``) into a cache directory
+  (``$ACCEL_FP8_FIX_TEST_CACHE`` or ``~/.cache/accel_fp8_fix``, ``accelerate-<version>``), which shadows the
+  venv's accelerate through ``PYTHONPATH`` (like ``old_accelerate`` in tests/test_activation.py).
+* ``python tests/_versions.py probe`` (run with ``PYTHONPATH=<that dir>``) prints, as JSON, what the patch
+  engine made of that accelerate: the report of the fix set, the rehearsal gates, and every declared target's
+  signature next to the one found.
+* :func:`suite` runs a plan of scenarios from this module, ``_fp8_scenarios`` and ``_scenarios`` inside the
+  ranks of ``run_distributed`` (so one launch can report the accelerate version *and* run a scenario).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ACCEL_FP8_FIX_TEST_CACHE", Path.home() / ".cache" / "accel_fp8_fix"))
+
+
+def install(version: str, timeout: float = 180) -> tuple[str | None, str]:
+    """``(directory, "")`` holding accelerate ``version`` (installed once, then cached), or ``(None, why)``."""
+    target = cache_root() / f"accelerate-{version}"
+    marker = target / f"accelerate-{version}.dist-info"
+    if (target / "accelerate").is_dir() and marker.is_dir():
+        return str(target), ""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
+             "--target", str(target), f"accelerate=={version}"],
+            capture_output=True, text=True, timeout=timeout,
+        )
+    except (subprocess.TimeoutExpired, OSError) as exc:
+        return None, f"cannot fetch accelerate {version} from the package registry: {exc}"
+    if proc.returncode != 0 or not marker.is_dir():
+        return None, f"cannot fetch accelerate {version} from the package registry: {proc.stderr[-300:]}"
+    return str(target), ""
+
+
+# -- the static probe (a fresh interpreter with PYTHONPATH=<version dir>) ------------------------------------
+def probe() -> dict:
+    """Import accelerate with the fix set and the rehearsal gates on; report what applied and the signatures.
+
+    Expects ``ACCEL_FP8_FIX_EMULATE_TE=1`` (the bootstrap activates the rehearsal gates) and no ``ACCEL_FP8_FIX=0``.
+    """
+    import accel_fp8_fix
+
+    import accelerate
+    import accelerate.accelerator  # noqa: F401
+    import accelerate.utils.fsdp_utils  # noqa: F401
+
+    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.engine import FixWrapper, load_patch_sets
+    from accel_fp8_fix.engine.engine import _signature_of, resolve_target
+
+    report = accel_fp8_fix.report()
+    signatures = {}
+    for patch_set in load_patch_sets():
+        for spec in patch_set.patches:
+            try:
+                _, _, current = resolve_target(spec)
+                original = current.__wrapped__ if isinstance(current, FixWrapper) else current
+                found = _signature_of(original)
+            except Exception as exc:  # noqa: BLE001
+                found = f"<{type(exc).__name__}: {exc}>"
+            signatures[f"{patch_set.name} {spec.target}"] = {"declared": spec.signature, "found": found,
+                                                             "wrapped": isinstance(current, FixWrapper)}
+    return {
+        "accelerate": accelerate.__version__,
+        "accelerate_file": accelerate.__file__,
+        "patch_set": report.patch_set,
+        "reason": report.reason,
+        "error": report.error,
+        "patches": {p["target"]: p["status"] for p in report.patches},
+        "details": {p["target"]: p["detail"] for p in report.patches if p["detail"]},
+        "rehearsal_applied": rehearsal.is_applied(),
+        "signatures": signatures,
+    }
+
+
+def run_probe(version_dir: str, timeout: float = 120) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=version_dir, ACCEL_FP8_FIX_EMULATE_TE="1")
+    proc = subprocess.run([sys.executable, str(HERE / "_versions.py"), "probe"], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"probe failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- scenarios inside the ranks ------------------------------------------------------------------------------
+def sc_accelerate_version(rank, world_size):
+    """Which accelerate this rank really imported, and which layers were on."""
+    import accelerate
+
+    import _scenarios as S
+
+    return {"version": accelerate.__version__, "file": accelerate.__file__, **S.meta_facts()}
+
+
+def suite(rank, world_size, plan):
+    """Run ``plan`` = [(scenario name, kwargs), ...]; a name is looked up in this module, then
+    ``_fp8_scenarios``, then ``_scenarios``. Errors are recorded like ``_scenarios.suite``."""
+    import _fp8_scenarios as F
+    import _scenarios as S
+
+    import time
+
+    out, environ, timing = {}, dict(os.environ), {}
+    for name, kwargs in plan:
+        start = time.perf_counter()
+        os.environ.clear()
+        os.environ.update(environ)
+        fn = next(getattr(m, name) for m in (sys.modules[__name__], F, S) if hasattr(m, name))
+        try:
+            out[name] = fn(rank, world_size, **(kwargs or {}))
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"scenario_error": S.err(exc), "traceback": traceback.format_exc().splitlines()[-25:]}
+        timing[name] = round(time.perf_counter() - start, 2)
+    S.reset_accelerate()
+    out["_seconds"] = timing
+    return out
+
+
+def launch(plan, version_dir: str, env: dict, world_size: int = 2, timeout: float = 300.0):
+    """One ``run_distributed`` launch of :func:`suite` whose workers import accelerate from ``version_dir``."""
+    from accel_fp8_fix.testing import run_distributed
+
+    return run_distributed(
+        suite, world_size, args=(plan,), env={**env, "PYTHONPATH": version_dir}, init_process_group=False,
+        timeout=timeout, collective_timeout=60, sys_path=[str(HERE)],
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["probe"]:
+        print(json.dumps(probe()))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} probe")

@@ -1,0 +1,97 @@
+"""TP and FSDP2 x TP + TE FP8 through the patched ``Accelerator.prepare`` (CPU, gloo, TE emulation).
+
+A tiny transformers Llama is TP-sharded the way transformers 5.x shards it; Linears become TE modules
+configured for TE's own TP on the same DTensor Parameter objects. Stock behaviour (A1 mixed-type crash,
+A10 ImportError) is asserted in tests/test_stock_failures.py.
+"""
+
+import pytest
+
+import _scenarios as S
+import _tp_scenarios as T
+
+TP_LINEARS = {f"model.layers.{i}.{p}" for i in range(2) for p in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return S.facts_of(T.launch([("sc_tp_fp8_train", {})], 2), "sc_tp_fp8_train")
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tp_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(ckpt_dir):
+    """One 4-rank launch: FSDP2 x TP training, then a 2x2 checkpoint save."""
+    return T.launch([("sc_tp_fp8_train", {"dp_shard": 2, "tp": 2}), ("sc_tp_checkpoint_save", {"out_dir": ckpt_dir})], 4)
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp(four_ranks):
+    return S.facts_of(four_ranks, "sc_tp_fp8_train")
+
+
+def _check_conversion(f):
+    assert set(f["converted"]) == TP_LINEARS
+    # lm_head is colwise_gather_output (no TE equivalent: it keeps transformers' TP); under FSDP2 it is
+    # also its own FSDP unit, which is checked first
+    assert f["skipped"] == ["lm_head"]
+    assert ("has no Transformer Engine column-parallel equivalent" in f["skip_reasons"][0]
+            or "FSDP2 unit of its own" in f["skip_reasons"][0])
+    modes = f["parallel_modes"]
+    assert {modes[n] for n in TP_LINEARS if n.endswith(("o_proj", "down_proj"))} == {"row"}
+    assert {modes[n] for n in TP_LINEARS if not n.endswith(("o_proj", "down_proj"))} == {"column"}
+    assert f["tp_sizes"] == [2]
+    assert f["all_params_dtensor"] and f["same_param_objects_in_optimizer"]
+
+
+def test_tp_converts_onto_te_native_tp_with_the_same_dtensor_parameters(tp2):
+    for f in tp2:
+        assert f["distributed_type"] == "MULTI_GPU" and f["mesh_dims"] == ["tp"]
+        _check_conversion(f)
+
+
+def test_tp_fp8_is_on_and_losses_match_the_single_process_reference(tp2):
+    for f in tp2:
+        assert all(n == 3 * T.STEPS for n in f["fp8_gemms_per_module"].values()), f["fp8_gemms_per_module"]
+        assert f["amax_reductions"] == 2 * T.STEPS and f["amax_group_ranks"] == [0, 1]
+        assert f["fp8_state_identical_every_step"] == [True] * T.STEPS
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-5)
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+        assert len(f["grad_norms"]) == T.STEPS and all(n > 0 for n in f["grad_norms"])  # clip on DTensors (A9)
+
+
+def test_fsdp2_x_tp_converts_trains_in_fp8_and_matches_the_reference(fsdp_tp):
+    for f in fsdp_tp:
+        assert f["distributed_type"] == "FSDP" and f["mesh_dims"] == ["dp_shard", "tp"]
+        _check_conversion(f)
+        assert f["amax_group_ranks"] == [0, 1, 2, 3]
+        assert all(n == 3 * T.STEPS for n in f["fp8_gemms_per_module"].values())
+        assert f["fp8_state_identical_every_step"] == [True] * T.STEPS
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-5)
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+
+
+def test_no_dtensor_reaches_c10d_in_prepare_or_training(tp2, fsdp_tp):
+    for f in tp2 + fsdp_tp:
+        assert f["prepare_dtensor_collectives"] == 0 and f["train_dtensor_collectives"] == 0
+    # TE's TP comms and the amax reduction ran on the TP / whole-mesh groups, by name
+    assert (0, 1) in {tuple(g) for g in tp2[0]["train_groups"]}
+    groups = {tuple(g) for g in fsdp_tp[0]["train_groups"]}
+    assert (0, 1) in groups and (0, 1, 2, 3) in groups
+
+
+def test_checkpoint_on_the_2d_mesh_round_trips_bit_for_bit(four_ranks, ckpt_dir):
+    assert all(f["save_dtensor_collectives"] == 0 for f in S.facts_of(four_ranks, "sc_tp_checkpoint_save"))
+    # reload on the same 2x2 mesh, then on 4x1 (dp_shard 4, no TP) in the same launch
+    loaded = T.launch([("sc_tp_checkpoint_load", {"out_dir": ckpt_dir}),
+                       ("sc_tp_checkpoint_load", {"out_dir": ckpt_dir, "dp_shard": 4, "tp": None})], 4)
+    for name in ("sc_tp_checkpoint_load", "sc_tp_checkpoint_load#1"):
+        for f in S.facts_of(loaded, name):
+            assert f["param_mismatch"] == [] and f["fp8_mismatch"] == []
+            assert f["fp8_compared"] > 0 and f["load_dtensor_collectives"] == 0
