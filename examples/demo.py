@@ -1,86 +1,89 @@
-"""The demo: FSDP2 + Transformer Engine FP8 through `accelerate launch`, with no accel_fp8_fix import.
+"""The demo: a small transformers Llama trained with FSDP2 (dp_shard 2) x tensor parallelism (tp 2) and
+Transformer Engine FP8, through `accelerate launch` — and the script never imports accel_fp8_fix.
 
-Run by scripts/demo.sh on CPU processes (gloo) with the Transformer Engine *emulation*; the same script
-runs unchanged on GPUs with real TE. accel_fp8_fix is switched on by `fp8_config: {accel_fp8_fix: true}`
-in the accelerate config file (examples/fsdp2_fp8.yaml), not by this script.
+Everything comes from the accelerate config file (examples/fsdp2_tp_fp8.yaml): FSDP2, the
+parallelism config, `mixed_precision: fp8` with the TE backend, and `fp8_config: {accel_fp8_fix: true}`,
+which switches this package on in every worker. scripts/demo.sh runs it on 4 CPU processes (gloo) with
+the Transformer Engine *emulation*; on GPUs with real TE the script is the same.
 """
 
+import logging
 import sys
+import warnings
 
 import torch
-from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from accelerate import Accelerator
-from accelerate.utils import FullyShardedDataParallelPlugin, TERecipeKwargs
 
 
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class Model(nn.Module):
-    def __init__(self, dim=128, depth=4):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, 16)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def main(steps=int(sys.argv[1]) if len(sys.argv) > 1 else 8):
-    accelerator = Accelerator(
-        fsdp_plugin=FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]
-        ),
-        kwargs_handlers=[TERecipeKwargs(fp8_format="HYBRID", amax_history_len=16, amax_compute_algo="max")],
+def build_model(seed=0):
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    model = Model()
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def shard_tensor_parallel(model, tp_mesh):
+    """Shard the model with transformers' own TP plan on the accelerator's "tp" mesh (as `from_pretrained(...,
+    tp_plan="auto")` does at load)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))[0]
+    apply_tensor_parallelism(model, tp_mesh, plan)
+    model._tp_size = tp_mesh.size()
+    return model
+
+
+def main(steps):
+    # Keep the demo's output readable: torch's FSDP2 view-tensor and DTensor redistribution notices.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    accelerator = Accelerator()
+    mesh = accelerator.torch_device_mesh
+    accelerator.print(f"mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}, distributed type {accelerator.distributed_type}")
+    model = shard_tensor_parallel(build_model(), mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
-    except Exception as exc:  # the stock failure, shown plainly (demo with the patches off)
-        accelerator.print(f"prepare() failed on stock accelerate: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # what stock accelerate does (run with DEMO_PATCHES=off)
+        accelerator.print(f"prepare() failed: {type(exc).__name__}: {exc}")
         raise SystemExit(1)
 
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    generator = torch.Generator().manual_seed(100 + dp_rank)  # each data-parallel rank its own data
+    ids = torch.randint(0, 512, (4, 64), generator=generator)
     te_modules = [m for m in model.modules() if hasattr(m, "fp8_meta")]
-    generator = torch.Generator().manual_seed(accelerator.process_index)
-    x = torch.randn(32, 128, generator=generator)
-    y = torch.randn(32, 16, generator=generator)
     for step in range(steps):
-        loss = nn.functional.mse_loss(model(x).float(), y)
+        loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        fp8_active = any(getattr(m, "fp8", False) for m in te_modules)
-        accelerator.print(f"step {step}: loss {accelerator.reduce(loss.detach(), 'mean').item():.4f}  fp8 active: {fp8_active}")
+        fp8_active = bool(te_modules) and all(m.fp8 for m in te_modules)
+        accelerator.print(
+            f"step {step}: loss {accelerator.reduce(loss.detach(), 'mean').item():.4f}  "
+            f"grad norm {float(grad_norm):.3f}  FP8 active: {fp8_active}"
+        )
 
     setup = getattr(accelerator, "accel_fp8_fix", None)
-    if "accel_fp8_fix" in sys.modules:
+    if setup is None:
+        accelerator.print("accel_fp8_fix: not active - stock accelerate")
+    else:
         import accel_fp8_fix
 
-        accelerator.print(f"patch set: {accel_fp8_fix.report().patch_set} ({accel_fp8_fix.report().mode})")
-    else:
-        accelerator.print("patch set: none (accel_fp8_fix not active)")
-    accelerator.print(
-        f"distributed: {accelerator.distributed_type}, {accelerator.num_processes} processes; "
-        f"TE modules: {len(te_modules)}; FP8 on: {bool(setup and setup.fp8_enabled)}"
-        + (f"; amax group ranks {list(setup.amax_group_ranks)}" if setup else "")
-    )
-    if not (setup and setup.fp8_enabled):
-        accelerator.print("FP8 was NOT active: stock accelerate never wraps the FSDP2 model in TE autocast (A2).")
+        report = accel_fp8_fix.report()
+        accelerator.print(f"patch set: {report.patch_set}  (activated by: {report.mode})")
+        accelerator.print(
+            f"TE modules: {len(setup.conversion.te_modules)} converted after sharding "
+            f"({sum(1 for m in te_modules if getattr(m, 'parallel_mode', None))} with TE-native TP), "
+            f"kept: {[n for n, _ in setup.conversion.skipped]}; amax group ranks {list(setup.amax_group_ranks)}"
+        )
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
