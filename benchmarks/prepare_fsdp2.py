@@ -87,9 +87,12 @@ def build_model(dim, hidden, depth, seed=0):
 # -- accelerator ------------------------------------------------------------------------------------------
 def make_accelerator():
     """A real FSDP2 + FP8 Accelerator (as tests/_scenarios.py::make_accelerator builds it), afresh."""
+    import torch
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import FullyShardedDataParallelPlugin, TERecipeKwargs
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from accel_fp8_fix.emulation import rehearsal
 
@@ -97,8 +100,11 @@ def make_accelerator():
     GradientState._reset_state()
     _reset_te_global_state()
     rehearsal.activate()
+    # fp32 around the (emulated) FP8 GEMMs: accelerate's default bf16 param dtype makes the stock run's
+    # high-precision GEMMs ~10x slower on CPU; prepare itself does not depend on it (it applies at unshard).
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"]
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+        mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
     )
     acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[TERecipeKwargs(**RECIPE)])
     assert acc.is_fsdp2 and acc.distributed_type.name == "FSDP" and acc.device.type == "cpu", acc.distributed_type
@@ -262,8 +268,8 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=3072)
     parser.add_argument("--depths", default="8,4", help="first one: memory + time; all: time + collectives")
     parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--timed-runs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--timed-runs", type=int, default=3)
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.depths.split(",")]
     worlds = [int(w) for w in args.worlds.split(",")]

@@ -18,7 +18,6 @@ Each launch reports ``accelerate.__version__`` and file from inside the ranks.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys

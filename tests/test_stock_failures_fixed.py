@@ -1,0 +1,69 @@
+"""The stock failures of tests/test_stock_failures.py, re-run with the patch set active (ENV_FIXED):
+the same scenarios, the same launches' plans, the assertions flipped."""
+
+from __future__ import annotations
+
+import pytest
+
+import _scenarios as S
+
+
+@pytest.fixture(scope="module")
+def two():
+    return S.launch(S.PLAN_2RANK, 2, env=S.ENV_FIXED)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return S.launch(S.PLAN_4RANK, 4, env=S.ENV_FIXED, timeout=240)
+
+
+def _facts(results, plan, name, kwargs=None):
+    return S.facts_of(results, S.key_of(plan, name, kwargs))
+
+
+def test_layers_fixes_on(two, four):
+    for res in (*two, *four):
+        assert res["_meta"] == {"fixes_active": True, "rehearsal_applied": True, "emulation": True}
+
+
+def test_a1_tp_plus_te_prepares_and_runs_fp8(two):
+    for f in _facts(two, S.PLAN_2RANK, "sc_a1_tp_te"):
+        assert f["prepare_error"] is None
+        assert f["fwd_stats"]["fp8_gemms_fwd"] == 14 and f["fwd_stats"]["non_fp8_gemms_fwd"] == 0
+        assert f["loss"] == f["loss"]  # finite (not NaN)
+
+
+def test_a2_fsdp2_plus_te_runs_fp8(two):
+    for f in _facts(two, S.PLAN_2RANK, "sc_a2_fsdp2_te"):
+        assert f["prepare_error"] is None and f["all_dtensor"]
+        assert f["fwd_stats"]["fp8_gemms_fwd"] == 5 and f["fwd_stats"]["non_fp8_gemms_fwd"] == 0
+        assert f["step_stats"]["fp8_gemms_bwd"] == 10 and f["step_stats"]["amax_reductions"] == 2
+
+
+def test_a4_later_siblings_are_still_converted(two):
+    for f in _facts(two, S.PLAN_2RANK, "sc_a4_convert_model"):
+        assert f["odd"] == "torch.Linear"  # 64 -> 40 stays high precision
+        assert f["first"] == f["after"] == f["nested.0"] == "accel_fp8_fix.Linear"
+        assert f["norm_after"] == "accel_fp8_fix.LayerNorm"
+
+
+@pytest.mark.parametrize("kind", ["buffer", "te"])
+def test_a5_cpu_ram_efficient_loading_loads_every_entry(two, kind):
+    for f in _facts(two, S.PLAN_2RANK, "sc_a5_ram_efficient", {"kind": kind}):
+        assert f["prepare_error"] is None
+        assert f["mismatched_after_load"] == []
+
+
+def test_a10_fsdp2_x_tp_prepares_without_replicate_parallel(four):
+    for f in _facts(four, S.PLAN_4RANK, "sc_mesh_2d"):
+        assert f["prepare_error"] is None
+        assert f["losses"] == pytest.approx(f["reference_losses"], rel=1e-4)  # mixed precision "no": exact math
+
+
+def test_a6_full_state_dict_load_with_tp_sharded_params_is_correct(four):
+    key = S.key_of(S.PLAN_4RANK, "sc_a6_tp_full_sd")
+    for rank in range(4):
+        f = four[rank][key]
+        assert "scenario_error" not in f, f
+        assert f["load_error"] is None and f["mismatched_local_shards"] == []
