@@ -247,43 +247,13 @@ def sc_checkpoint_load(rank, world_size, out_dir):
             "nonempty_extra_state": len(nonempty), "fp8_state_identical": same_fp8}
 
 
-def run_plan(module, rank, world_size, plan):
-    """Run ``plan`` = [(scenario name in ``module``, kwargs), ...] like ``_scenarios.suite``."""
-    import traceback
-
-    out, environ = {}, dict(os.environ)
-    for i, (name, kwargs) in enumerate(plan):
-        key = name if name not in out else f"{name}#{i}"
-        os.environ.clear()
-        os.environ.update(environ)
-        try:
-            out[key] = getattr(module, name)(rank, world_size, **(kwargs or {}))
-        except Exception as exc:  # noqa: BLE001
-            out[key] = {"scenario_error": S.err(exc), "traceback": traceback.format_exc().splitlines()[-25:]}
-    S.reset_accelerate()
-    return out
-
-
 def suite(rank, world_size, plan):
     import sys
 
-    return run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-_LAUNCHES: dict = {}
+    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
 
 
 def launch(plan, world_size, env=None, timeout=300.0, suite_fn=None):
-    """One memoised launch of ``suite_fn`` (default: this module's suite) running ``plan``."""
-    import json
-
-    from accel_fp8_fix.testing import run_distributed
-
-    suite_fn = suite_fn or suite
-    key = (suite_fn.__module__, json.dumps(plan, sort_keys=True), world_size)
-    if key not in _LAUNCHES:
-        _LAUNCHES[key] = run_distributed(
-            suite_fn, world_size, args=(plan,), env=env or S.ENV_FIXED, init_process_group=False, timeout=timeout,
-            collective_timeout=90, sys_path=[os.path.dirname(os.path.abspath(__file__))],
-        )
-    return _LAUNCHES[key]
+    """One memoised 4-or-2-rank launch of this module's scenarios (fixes on unless ``env`` says otherwise)."""
+    return S.launch(plan, world_size, env=env or S.ENV_FIXED, timeout=timeout, collective_timeout=90,
+                    suite_fn=suite_fn or suite)

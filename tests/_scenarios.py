@@ -673,13 +673,18 @@ def sc_a6_tp_full_sd(rank, world_size, dp_shard=2, tp=2):
 
 # -- suites and launches ----------------------------------------------------------------------------------
 def suite(rank, world_size, plan):
-    """Run ``plan`` = [(scenario name, kwargs), ...] in order in this rank; {name or name#i: facts}.
+    """Run ``plan`` = [(scenario name, kwargs), ...] of this module in order in this rank."""
+    return run_plan(sys.modules[__name__], rank, world_size, plan)
+
+
+def run_plan(module, rank, world_size, plan):
+    """Run ``plan`` = [(scenario name in ``module``, kwargs), ...] in order; {name or name#i: facts}.
 
     A scenario that raises records ``{"scenario_error": ..., "traceback": [...]}`` instead of aborting the
     launch (the tests then fail on that scenario with its traceback).
     """
     out = {}
-    this = sys.modules[__name__]
+    this = module
     environ = dict(os.environ)
     seen = set()
     for i, (name, kwargs) in enumerate(plan):
@@ -742,15 +747,17 @@ def key_of(plan, name, kwargs=None) -> str:
 _LAUNCHES: dict = {}
 
 
-def launch(plan, world_size: int, env: dict | None = None, timeout: float = 150.0, collective_timeout: float = 45.0):
-    """``run_distributed(suite, world_size, args=(plan,), env=env, init_process_group=False)``, memoised for the
-    life of the (pytest) process: returns the per-rank dicts of :func:`suite`."""
+def launch(plan, world_size: int, env: dict | None = None, timeout: float = 150.0, collective_timeout: float = 45.0,
+           suite_fn=None):
+    """``run_distributed(suite_fn, world_size, args=(plan,), env=env, init_process_group=False)``, memoised for
+    the life of the (pytest) process: returns the per-rank dicts of ``suite_fn`` (default: :func:`suite`)."""
     from accel_fp8_fix.testing import run_distributed
 
-    key = (json.dumps(plan, sort_keys=True), world_size, json.dumps(env or {}, sort_keys=True))
+    suite_fn = suite_fn or suite
+    key = (suite_fn.__module__, json.dumps(plan, sort_keys=True), world_size, json.dumps(env or {}, sort_keys=True))
     if key not in _LAUNCHES:
         _LAUNCHES[key] = run_distributed(
-            suite,
+            suite_fn,
             world_size,
             args=(plan,),
             env=env,

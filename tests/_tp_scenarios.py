@@ -182,7 +182,7 @@ def sc_tp_checkpoint_load(rank, world_size, out_dir, dp_shard=2, tp=2):
 def suite(rank, world_size, plan):
     import sys
 
-    return F.run_plan(sys.modules[__name__], rank, world_size, plan)
+    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
 
 
 def launch(plan, world_size, timeout=400.0):

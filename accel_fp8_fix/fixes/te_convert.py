@@ -91,9 +91,7 @@ def _te_tp_mismatch(module: nn.Module, mode) -> str | None:
     inp, out = getattr(style, "input_layouts", None), getattr(style, "output_layouts", None)
     local = getattr(style, "use_local_output", True)
     want = {"column": (Replicate(), Shard(-1)), "row": (Shard(-1), Replicate())}[mode]
-    same = [a == b or (isinstance(a, Shard) and isinstance(b, Shard) and a.dim in (-1, 1) and b.dim == -1)
-            for a, b in zip((inp, out), want)]
-    if all(same) and local:
+    if (inp, out) == want and local:
         return None
     return (f"its TP style {type(style).__name__}(input {inp}, output {out}, local output {local}) has no "
             f"Transformer Engine {mode}-parallel equivalent")
