@@ -10,8 +10,8 @@ multiples of 16).
 
 Per rank it prints / reports:
 
-* prepare wall time (warm: the second and third prepare in the process, min of the two; the slowest rank
-  counts, since prepare ends with collectives);
+* prepare wall time (warm: after a first, instrumented prepare in the same process; per run the slowest rank
+  counts, since prepare ends with collectives; the best of ``--timed-runs`` runs is shown);
 * memory during prepare, measured in-process on each rank, three ways:
   - peak live bytes: the CPU allocator's alloc / free events recorded by ``torch.profiler`` with
     ``profile_memory=True``, summed in time order; the peak of that running sum is the most memory prepare
@@ -22,16 +22,19 @@ Per rank it prints / reports:
   ``stats()["amax_reductions"]``), ``all_reduce`` calls seen by ``CollectiveSpy`` at the Python c10d layer,
   and FP8 GEMMs, for two depths, to show the amax collectives do not grow with the number of layers.
 
-Run: ``python benchmarks/prepare_fsdp2.py [--dim 1024 --hidden 3072 --depths 8,4 --worlds 2,4]``.
+The FSDP2 mixed-precision policy is fp32 (accelerate's fp8 default is bf16 params, whose high-precision GEMMs
+are ~10x slower on CPU); prepare does not depend on it. Figures are per rank; a rank of the stock run
+allocates a second, full-size copy of every weight before sharding.
+
+Run: ``python benchmarks/prepare_fsdp2.py [--dim 1024 --hidden 3072 --depths 8,4 --worlds 2,4]`` (~3 min on
+2 cores; writes the tables to stdout, progress to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import resource
-import statistics
 import sys
 import time
 
@@ -218,6 +221,12 @@ def _steps(acc, model, opt, dim, steps):
         "loss_finite": all(l == l and abs(l) != float("inf") for l in losses),
         "te_modules": sum(1 for m in model.modules() if hasattr(m, "fp8_meta")),
         "fp8_enabled": bool(getattr(getattr(acc, "accel_fp8_fix", None), "fp8_enabled", False)),
+        # the group the patched prepare chose (the mesh's), and whether TE's modules hold exactly it (not None)
+        "amax_group_ranks": list(getattr(getattr(acc, "accel_fp8_fix", None), "amax_group_ranks", ())),
+        "te_fp8_group_is_amax_group": all(
+            m.fp8_meta.get("fp8_group") is not None and m.fp8_meta.get("fp8_group") is acc.accel_fp8_fix.amax_group
+            for m in model.modules() if hasattr(m, "fp8_meta")
+        ) if getattr(acc, "accel_fp8_fix", None) is not None else False,
     }
 
 
@@ -244,7 +253,7 @@ def bench_rank(rank, world_size, dim, hidden, depths, steps, timed_runs):
                 del acc, model, opt
                 gc.collect()
         facts["prepare_s"] = times
-        facts["params"] = sum(p.numel() for p in build_model(dim, hidden, depth).parameters())
+        facts["params"] = sum(p.numel() for p in model.parameters())  # DTensor.numel(): the global size
         facts["steps"] = _steps(acc, model, opt, dim, steps)
         del acc, model, opt
         gc.collect()
@@ -338,8 +347,15 @@ def main(argv=None):
                       f"| {st['collectives_per_step']:.0f} | {t:.2f} |")
                 assert all(r["depths"][depth]["steps"]["loss_finite"] for r in rs), (world, depth, mode)
     groups = {g for world in worlds for d in depths for r in results[(world, "patched")] for g in r["depths"][d]["steps"]["amax_groups"]}
-    print(f"\namax reduction groups (patched): {sorted(groups)}")
+    explicit = {w: (results[(w, "patched")][0]["depths"][d0]["steps"]["amax_group_ranks"],
+                    all(r["depths"][d]["steps"]["te_fp8_group_is_amax_group"] for r in results[(w, "patched")] for d in depths))
+                for w in worlds}
+    print(f"\namax reduction groups (patched, emulation stats): {sorted(groups)}; "
+          + "; ".join(f"{w} ranks: mesh group ranks {r}, every TE module's fp8_group is that group object: {ok}"
+                      for w, (r, ok) in explicit.items()))
     where = {mode: results[(worlds[0], mode)][0]["depths"][d0]["memory"]["largest_alloc_op"] for mode in MODES}
+    ops = sorted({op for mode in MODES for r in results[(worlds[0], mode)] for op in r["depths"][d0]["steps"]["collective_ops"]})
+    print(f"collective ops seen in a step (python + dispatch layers): {ops}")
     print(f"largest allocation made by ({worlds[0]} ranks): {where}")
     print(f"largest weight: {results[(worlds[0], 'patched')][0]['depths'][d0]['memory']['largest_weight_bytes'] / 2**20:.1f} MiB")
     print(f"total wall time: {time.perf_counter() - t_all:.0f} s", file=sys.stderr)
