@@ -269,3 +269,17 @@ def test_env_var_activates_every_worker_of_torchrun(tmp_path):
     for worker in _read_ranks(tmp_path, 2):
         assert worker["prepare_type"] == "FixWrapper" and worker["imported_by_startup"]
         assert worker["mode"] == "environment (ACCEL_FP8_FIX=1)"
+
+
+def test_deactivate_before_accelerate_is_imported_means_nothing_is_patched():
+    out = run_py(
+        f"""
+        import accel_fp8_fix
+        accel_fp8_fix.deactivate()
+        import accelerate.accelerator
+        print({PREPARE_KIND}, accel_fp8_fix.report().applied)
+        accel_fp8_fix.activate()
+        print({PREPARE_KIND}, accel_fp8_fix.report().applied)
+        """
+    )
+    assert out.stdout.split() == ["function", "False", "FixWrapper", "True"]

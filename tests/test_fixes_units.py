@@ -1,0 +1,94 @@
+"""Single-process checks of the fix building blocks: the FP8-state "unifier", its buffer <-> fp8_meta link,
+and the autocast forward wrapper (train / eval, accelerate's wrapper replaced, idempotent)."""
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from accel_fp8_fix.fixes.fp8_state import find_unregistered_tensors, fp8_state_tensors, register_tensor_state
+from accel_fp8_fix.testing import run_distributed
+
+
+class FakeTE(nn.Module):
+    """Holds FP8 state the way TE does: tensors inside a plain dict attribute and plain objects."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 4))
+        self.register_buffer("seen", torch.zeros(1))
+        state = SimpleNamespace(scale=torch.ones(3), amax_history=torch.zeros(16, 3))
+        self.fp8_meta = {"recipe": "delayed", "scaling_fwd": state, "fp8_group": None}
+        self.workspace = torch.zeros(8)  # not FP8 state: outside the attrs asked for
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_unifier_finds_registers_and_reports_unregistered_tensor_state():
+    model = nn.Sequential(FakeTE(), nn.ReLU(), FakeTE())
+    assert {p for p, _ in find_unregistered_tensors(model[0])} == {
+        ("fp8_meta", "scaling_fwd", "scale"), ("fp8_meta", "scaling_fwd", "amax_history"), ("workspace",)}
+    found = register_tensor_state(model, attrs=("fp8_meta",))
+    assert [(r.module, r.path[-1], r.shape) for r in found] == [
+        ("0", "scale", (3,)), ("0", "amax_history", (16, 3)), ("2", "scale", (3,)), ("2", "amax_history", (16, 3))]
+    buffers = dict(model.named_buffers())
+    assert buffers["0._fp8_fp8_meta__scaling_fwd__scale"] is model[0].fp8_meta["scaling_fwd"].scale
+    assert "0._fp8_fp8_meta__scaling_fwd__scale" not in model.state_dict()  # non-persistent: _extra_state persists it
+    assert register_tensor_state(model, attrs=("fp8_meta",)) == []  # idempotent
+    assert set(fp8_state_tensors(model)) == {f"{i}._fp8_fp8_meta__scaling_fwd__{k}" for i in (0, 2)
+                                             for k in ("scale", "amax_history")}
+
+
+def test_buffers_and_fp8_meta_stay_one_tensor_after_casts_and_replacement():
+    module = FakeTE()
+    register_tensor_state(module, attrs=("fp8_meta",))
+    module.fp8_meta["scaling_fwd"].scale.fill_(2.0)
+    module.double()  # _apply swaps buffers for float64 copies
+    module(torch.ones(1, 4, dtype=torch.float64))  # the forward pre-hook re-links
+    scale = module.fp8_meta["scaling_fwd"].scale
+    assert scale is module._buffers["_fp8_fp8_meta__scaling_fwd__scale"]
+    assert scale.dtype == torch.float32 and torch.equal(scale, torch.full((3,), 2.0))  # FP8 state stays fp32
+    fresh = torch.full((3,), 5.0)
+    module.fp8_meta["scaling_fwd"].scale = fresh  # TE replaced its tensor: the buffer follows
+    module(torch.ones(1, 4, dtype=torch.float64))
+    assert module._buffers["_fp8_fp8_meta__scaling_fwd__scale"] is fresh
+
+
+def _autocast_wrapper(rank, world_size):
+    """One rank with the TE emulation: train vs eval, use_autocast_during_eval, accelerate's wrapper replaced."""
+    from accel_fp8_fix import emulation
+
+    emulation.install()
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+    from accelerate.utils.transformer_engine import contextual_fp8_autocast
+
+    from accel_fp8_fix.fixes.fp8_autocast import wrap_forward
+
+    def run(model, train):
+        model.train(train)
+        model.fp8_gemm_count = 0
+        model(torch.randn(2, 16))
+        return model.fp8_gemm_count
+
+    recipe = te_recipe.DelayedScaling()
+    out = {}
+    for during_eval in (False, True):
+        model = te.Linear(16, 16, device="cpu")
+        wrap_forward(model, te, recipe, None, during_eval)
+        wrap_forward(model, te, recipe, None, during_eval)  # idempotent: one autocast layer
+        out[during_eval] = (run(model, True), run(model, False))
+    # accelerate's own TE wrapper (no amax group) is replaced, not nested
+    model = te.Linear(16, 16, device="cpu")
+    model.forward = contextual_fp8_autocast(model.forward, recipe, False).__get__(model)
+    wrap_forward(model, te, recipe, None, False)
+    out["unwrapped_to"] = type(model.forward.__func__.__wrapped__).__name__
+    return out
+
+
+def test_autocast_wrapper_honours_train_eval_and_replaces_accelerates_wrapper():
+    (result,) = run_distributed(_autocast_wrapper, 1, timeout=120)
+    assert result[False] == (1, 0)  # FP8 in training, high precision in eval (accelerate's default)
+    assert result[True] == (1, 1)  # use_autocast_during_eval=True: FP8 in eval too
+    assert result["unwrapped_to"] == "method"  # the bound original forward, not accelerate's wrapper
