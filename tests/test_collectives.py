@@ -16,30 +16,6 @@ import torch
 from accel_fp8_fix.testing import run_distributed
 
 
-def _loud(fn):
-    """Print a rank's traceback at once (the worker may hang in destroy_process_group after an error)."""
-    import functools
-
-    @functools.wraps(fn)
-    def run(*args):
-        import faulthandler
-        import sys
-
-        faulthandler.dump_traceback_later(40, exit=False, file=sys.stderr)  # where a hung rank waits
-        try:
-            return fn(*args)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc(file=sys.stderr)
-            sys.stderr.flush()
-            raise
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-
-    return run
-
-
 SEED_ERRORS = ("does not have a sharding strategy registered", "found no DeviceMesh from dtensor args")
 
 
@@ -54,7 +30,6 @@ def _raises(fn, *needles):
 
 
 # ------------------------------------------------------------------------------------------------ 2 ranks
-@_loud
 def two_ranks(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -152,7 +127,6 @@ def test_two_ranks_seed_error_helper_refusals_variable_size_spy():
 
 
 # ------------------------------------------------------------------------------------------------ 4 ranks
-@_loud
 def four_ranks(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -23,25 +23,6 @@ import accel_fp8_fix
 from accel_fp8_fix.testing import run_distributed
 
 
-def _loud(fn):
-    """Print a rank's traceback at once (the worker may hang in destroy_process_group after an error)."""
-    import functools
-
-    @functools.wraps(fn)
-    def run(*args):
-        try:
-            return fn(*args)
-        except BaseException:
-            import sys
-            import traceback
-
-            traceback.print_exc(file=sys.stderr)
-            sys.stderr.flush()
-            raise
-
-    return run
-
-
 # ------------------------------------------------------------------------------------------------ models
 class TE2Like(nn.Module):
     """TE 2.x-style extra state: a uint8 tensor of a pickle, empty when there is no FP8 state."""
@@ -205,7 +186,6 @@ def _assert_loaded(model, ref, spy, world):
 
 
 # ------------------------------------------------------------------------------------------------ A5: FSDP2
-@_loud
 def fsdp_buffers_extra_state(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -255,7 +235,6 @@ def _tp_source(ref, tp_mesh):
     return src
 
 
-@_loud
 def tp_sharded_at_load(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -314,7 +293,6 @@ def test_a6_tp_sharded_params_at_load():
 
 
 # ------------------------------------------------------------------------------------------------ 2-D
-@_loud
 def dp_tp_2d(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

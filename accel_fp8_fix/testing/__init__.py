@@ -84,6 +84,7 @@ def run_distributed(
             "sys_path": paths,
             "init_process_group": init_process_group,
             "collective_timeout": collective_timeout,
+            "timeout": timeout,
         }
         (tmp / "payload.pkl").write_bytes(pickle.dumps(payload))
         procs = []

@@ -1,5 +1,6 @@
 """One rank of :func:`accel_fp8_fix.testing.run_distributed` (``python -m accel_fp8_fix.testing._worker DIR RANK``)."""
 
+import faulthandler
 import importlib
 import os
 import pickle
@@ -19,6 +20,8 @@ def main(tmp: str, rank: str) -> None:
     for part in payload["qualname"].split("."):
         fn = getattr(fn, part)
     world_size = int(os.environ["WORLD_SIZE"])
+    # Shortly before the launcher kills a hung run, print where this rank waits.
+    faulthandler.dump_traceback_later(max(payload["timeout"] - 5, 1), exit=False)
 
     import torch.distributed as dist
 
