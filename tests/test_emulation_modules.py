@@ -263,3 +263,57 @@ def test_bf16_under_torch_autocast_and_3d_inputs():
     assert y.shape == (2, 5, 32) and y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert x.grad.dtype == torch.bfloat16 and m.weight.grad.dtype == torch.bfloat16
+
+
+# ---- structure as real TE 2.20.2 (tests/test_real_te_structure.py checks it against a real build) ----
+def test_norms_have_ops_extra_state_and_no_normalized_shape_attribute():
+    for cls, keys in ((te.LayerNorm, ["weight", "bias", "_extra_state"]), (te.RMSNorm, ["weight", "_extra_state"])):
+        m = cls(64, params_dtype=torch.float32)
+        es = m.get_extra_state()
+        assert es.dtype == torch.uint8 and es.numel() == 0 and es.device.type == "cpu"
+        sd = m.state_dict()
+        assert list(sd) == keys
+        assert "normalized_shape" not in vars(m) and not hasattr(m, "normalized_shape")  # TE has none
+        fresh = cls(64, params_dtype=torch.float32, device="meta").to_empty(device="cpu")
+        fresh.load_state_dict(sd)  # strict: _extra_state is expected and accepted
+        fresh.set_extra_state(None)
+        fresh.set_extra_state(torch.frombuffer(bytearray(pickle.dumps({})), dtype=torch.uint8))
+        with pytest.raises(RuntimeError, match="no quantizers"):
+            fresh.set_extra_state(torch.frombuffer(bytearray(pickle.dumps({"forward": {}})), dtype=torch.uint8))
+    ln = te.LayerNorm((4, 8), eps=1e-6)  # normalizes over the weight's shape
+    x = torch.randn(3, 4, 8)
+    assert torch.allclose(ln(x), torch.nn.functional.layer_norm(x, (4, 8), eps=1e-6), atol=1e-6)
+
+
+def test_reset_parameters_sets_tensor_parallel_attributes_like_te():
+    def attrs(p):
+        return {k: getattr(p, k, None) for k in ("tensor_model_parallel", "partition_dim", "partition_stride")}
+
+    for cls in (te.Linear, te.LayerNormLinear):
+        plain = cls(64, 32)
+        assert attrs(plain.weight) == {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1}
+        assert attrs(plain.bias) == dict.fromkeys(attrs(plain.bias))  # bias: only for column mode
+        col = cls(64, 32, tp_size=2, parallel_mode="column", device="cpu")
+        assert attrs(col.weight) == attrs(col.bias) == {"tensor_model_parallel": True, "partition_dim": 0,
+                                                        "partition_stride": 1}
+        meta = cls(64, 32, device="meta")  # deferred init: nothing attached yet
+        assert not hasattr(meta.weight, "tensor_model_parallel")
+    row = te.Linear(64, 32, tp_size=2, parallel_mode="row", device="cpu")
+    assert attrs(row.weight) == {"tensor_model_parallel": True, "partition_dim": 1, "partition_stride": 1}
+    assert not hasattr(row.bias, "tensor_model_parallel") and row.bias.sequence_parallel is False
+    row.reset_parameters()  # fresh Parameters each time: no "already has attribute" error
+    assert row.weight.partition_dim == 1
+
+
+def test_layernorm_linear_split_sizes_unfused_bias_add_and_default_layer_names():
+    from accel_fp8_fix.emulation.te.debug.pytorch.debug_state import TEDebugState
+
+    lnl = te.LayerNormLinear(64, 32)
+    assert lnl.gemm_bias_unfused_add is False and lnl.parameter_split_sizes == [32]
+    assert te.LayerNormLinear(64, 32, tp_size=2, parallel_mode="column", device="meta").parameter_split_sizes == [16]
+    n = TEDebugState.layer_count
+    assert [te.Linear(16, 16, device="meta").name, te.LayerNormLinear(16, 16, device="meta").name] == [
+        f"Layer_{n}", f"Layer_{n + 1}"]
+    assert te.Linear(16, 16, device="meta", name="mine").name == "mine" and TEDebugState.layer_count == n + 2
+    te.LayerNorm(16, device="meta")  # op-based norms take no layer name
+    assert TEDebugState.layer_count == n + 2

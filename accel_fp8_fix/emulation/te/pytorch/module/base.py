@@ -26,6 +26,7 @@ from ..quantization import (
     _has_delayed_scaling_state,
 )
 from ...common.recipe import DelayedScaling, Recipe
+from ...debug.pytorch.debug_state import TEDebugState
 
 __emulated__ = True
 
@@ -114,6 +115,10 @@ class TransformerEngineBaseModule(torch.nn.Module, ABC):
         # Emulation-only counters (also summed process-wide in accel_fp8_fix.emulation.stats()).
         self.fp8_gemm_count = 0
         self.non_fp8_gemm_count = 0
+
+        if not TEDebugState.debug_enabled:
+            TEDebugState.initialize()
+        self._validate_name()
 
     # ---------------------------------------------------------------- attribute helpers
     def fast_setattr(self, name: str, value: Any) -> None:
@@ -447,6 +452,17 @@ class TransformerEngineBaseModule(torch.nn.Module, ABC):
                 self.module_setattr(name, torch.nn.Parameter(new, requires_grad=param.requires_grad))
             else:
                 self.module_setattr(name, torch.nn.Parameter(local.detach(), requires_grad=param.requires_grad))
+
+    def _validate_name(self):
+        """
+        Validate name passed to the module.
+        It creates a default name with layer count as the variable
+        which may be changed by the user of the module.
+        """
+        if self.name is not None:
+            return
+
+        self.name = f"Layer_{TEDebugState.get_layer_count()}"
 
     @abstractmethod
     def forward(self):

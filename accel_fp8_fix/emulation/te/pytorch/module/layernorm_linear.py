@@ -97,8 +97,10 @@ class LayerNormLinear(_LinearCoreMixin, TransformerEngineBaseModule):
         else:
             self.layer_norm_bias = None
 
+        # parameters_split is rejected above: a single weight/bias (TE's default split).
         self.weight_names = ["weight"]
         self.bias_names = ["bias"]
+        self.parameter_split_sizes = [self.out_features]  # TE: [out_features // tp_size] for column
         self.register_parameter(
             "weight",
             torch.nn.Parameter(torch.empty(self.out_features, self.in_features, device=device, dtype=params_dtype)),
@@ -119,12 +121,16 @@ class LayerNormLinear(_LinearCoreMixin, TransformerEngineBaseModule):
             self.init_fp8_metadata()
         self.reset_parameters(defer_init=torch.device(device).type == "meta")
 
+        # For RPL, bias has to be added after TP collectives (TE 2.20.2; row mode is not emulated).
+        self.gemm_bias_unfused_add = self.parallel_mode == "row" and self.apply_bias
+
     def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
         super().reset_parameters(defer_init=defer_init)
         if not defer_init:
             setattr(self.layer_norm_weight, "sequence_parallel", self.sequence_parallel)
-            if self.layer_norm_bias is not None:
+            if self.normalization != "RMSNorm":
                 setattr(self.layer_norm_bias, "sequence_parallel", self.sequence_parallel)
+            self._set_linear_parallel_attributes()
 
     def forward(
         self,

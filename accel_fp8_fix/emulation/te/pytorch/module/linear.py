@@ -25,6 +25,27 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+# TE 2.20.2 pytorch/distributed.py (kept here: the emulation has no ``pytorch.distributed`` module).
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """set attributes needed for TP"""
+    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(tensor, attribute):
+            raise RuntimeError(
+                f"Tensor already has attribute '{attribute}' set. Cannot set "
+                "tensor model parallel attributes on a tensor that already has them."
+            )
+    setattr(tensor, "tensor_model_parallel", is_parallel)
+    setattr(tensor, "partition_dim", dim)
+    setattr(tensor, "partition_stride", stride)
+
+
 def _group_size(group) -> int:
     import torch.distributed as dist
 
@@ -49,6 +70,25 @@ class _LinearCoreMixin:
         elif self.parallel_mode == "row":
             self.in_features = divide(self.in_features, self.tp_size)
         self.sequence_parallel = (self.tp_size > 1) and sequence_parallel
+
+    def _set_linear_parallel_attributes(self) -> None:
+        """The tail of TE's ``Linear.reset_parameters`` / ``LayerNormLinear.reset_parameters`` (not
+        deferred): TP attributes on every weight (always, even with ``tp_size == 1``;
+        ``partition_dim`` 1 for row, 0 otherwise), ``sequence_parallel`` on row-parallel biases, TP
+        attributes on column-parallel biases."""
+        for weight in self.weight_names:
+            set_tensor_model_parallel_attributes(
+                tensor=getattr(self, weight),
+                is_parallel=True,
+                dim=1 if self.parallel_mode == "row" else 0,
+                stride=1,
+            )
+        if self.use_bias:
+            for bias in self.bias_names:
+                if self.parallel_mode == "row":
+                    setattr(getattr(self, bias), "sequence_parallel", self.sequence_parallel)
+                elif self.parallel_mode == "column":
+                    set_tensor_model_parallel_attributes(getattr(self, bias), True, 0, 1)
 
     @staticmethod
     def _reject_unemulated(**flags) -> None:
@@ -185,9 +225,7 @@ class Linear(_LinearCoreMixin, TransformerEngineBaseModule):
     def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
         super().reset_parameters(defer_init=defer_init)
         if not defer_init:
-            if self.parallel_mode == "row" and self.use_bias:
-                # bias of a row-parallel layer is replicated; mark it like TE does
-                setattr(self.bias, "sequence_parallel", self.sequence_parallel)
+            self._set_linear_parallel_attributes()
 
     def forward(
         self,

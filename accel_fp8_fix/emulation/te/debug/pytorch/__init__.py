@@ -1,0 +1,3 @@
+"""Emulated ``transformer_engine.debug.pytorch`` (only ``debug_state``)."""
+
+__emulated__ = True
