@@ -40,15 +40,16 @@ def main(tmp: str, rank: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
     (tmp_dir / f"rank{rank}.result").write_bytes(pickle.dumps(result))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank leaves while a peer may still be inside a collective with it
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    # The result is written: leave without interpreter teardown, where torch's C++ threads occasionally
-    # abort ("terminate called without an active exception") under load, which would fail a finished rank.
+    # The result is written and every rank is past its last collective: leave without
+    # destroy_process_group / interpreter teardown, where torch's C++ threads occasionally abort
+    # ("terminate called without an active exception", seen in CI under load) and fail a finished rank.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
