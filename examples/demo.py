@@ -45,6 +45,10 @@ def main(steps):
     accelerator = Accelerator()
     mesh = accelerator.torch_device_mesh
     accelerator.print(f"mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}, distributed type {accelerator.distributed_type}")
+    import transformer_engine
+
+    if getattr(transformer_engine, "__emulated__", False):
+        accelerator.print("Transformer Engine: CPU emulation (FP8 numerics emulated; no GPU kernels, no speed-up)")
     model = shard_tensor_parallel(build_model(), mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
