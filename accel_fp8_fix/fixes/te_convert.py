@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..distributed.collectives import is_dtensor
+
 logger = logging.getLogger("accel_fp8_fix")
 
 TP_ATTR = "_accel_fp8_fix_tp"  # (parallel_mode, tp_mesh) recorded before FSDP2 wraps the parameters
@@ -31,19 +33,13 @@ class ConversionReport:
     te_modules: list = field(default_factory=list)  # every TE module with FP8 state, converted or not
 
 
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def record_tp_layout(model: nn.Module) -> dict:
     """Note, before FSDP2 adds its own dims, how TP shards each Linear / LayerNorm: {name: parallel_mode}."""
     from torch.distributed.tensor import Replicate, Shard
 
     layout = {}
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, nn.LayerNorm)) or not _is_dtensor(getattr(module, "weight", None)):
+        if not isinstance(module, (nn.Linear, nn.LayerNorm)) or not is_dtensor(getattr(module, "weight", None)):
             continue
         placements = module.weight.placements
         if len(placements) != 1:
@@ -143,7 +139,7 @@ class _LocalShardsDuringForward:
         saved = {}
         for name in self.names:
             param = module._parameters.get(name)
-            if param is None or not _is_dtensor(param):
+            if param is None or not is_dtensor(param):
                 continue  # plain: FSDP2 already handed in its unsharded tensor
             if param.device_mesh.mesh_dim_names != self.tp_dims:
                 raise RuntimeError(

@@ -14,13 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed.collectives import is_dtensor
 from .te_convert import TP_ATTR, install_local_shards
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:
@@ -29,7 +24,7 @@ def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:
 
     mapping = {}
     for module in model.modules():
-        names = [n for n, p in module._parameters.items() if p is not None and not _is_dtensor(p)]
+        names = [n for n, p in module._parameters.items() if p is not None and not is_dtensor(p)]
         if not names:
             continue
         for name in names:
@@ -66,7 +61,7 @@ def prepare_tp(wrapped, instance, args, kwargs):
     result = [instance._prepare_one(obj, first_pass=True) if not isinstance(obj, nn.Module) else obj for obj in args]
     result = [instance._prepare_one(obj) if not isinstance(obj, nn.Module) else obj for obj in result]
     models = [obj for obj in result if isinstance(obj, nn.Module)]
-    if not any(_is_dtensor(p) for m in models for p in m.parameters()):
+    if not any(is_dtensor(p) for m in models for p in m.parameters()):
         raise ValueError(
             "accel_fp8_fix: ParallelismConfig has tp_size > 1 but no parameter of the model is a DTensor: shard the "
             "model with tensor parallelism first (transformers `tp_plan`, or torch `parallelize_module` on "
