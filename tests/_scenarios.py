@@ -40,7 +40,7 @@ DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unl
 # -- process-level helpers --------------------------------------------------------------------------------
 def ensure_rehearsal(on: bool = True) -> None:
     """Put the rehearsal gates in the state the scenario expects (activate / deactivate in this process)."""
-    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.rehearsal import gates as rehearsal
 
     if on:
         rehearsal.activate()
@@ -52,26 +52,44 @@ def ensure_rehearsal(on: bool = True) -> None:
         assert not rehearsal.is_applied()
 
 
-def ensure_emulation() -> None:
-    """Transformer Engine emulation installed (normally done by the bootstrap with ACCEL_FP8_FIX_EMULATE_TE=1)."""
-    import accel_fp8_fix.emulation as emu
+def ensure_te_on_cpu() -> None:
+    """Transformer Engine's real Python on CPU (normally installed by the bootstrap with ACCEL_FP8_FIX_EMULATE_TE=1)."""
+    from accel_fp8_fix.rehearsal import te_on_cpu
 
-    emu.install()
+    te_on_cpu.install()
     from accelerate.utils import is_fp8_available, is_transformer_engine_available
 
-    assert is_transformer_engine_available() and is_fp8_available(), "TE emulation not visible to accelerate"
+    assert is_transformer_engine_available() and is_fp8_available(), "Transformer Engine not visible to accelerate"
+    import transformer_engine.pytorch  # noqa: F401  (TE's Python, over the CPU kernel shim)
 
 
-def emu_stats() -> dict:
-    import accel_fp8_fix.emulation as emu
+def te_stats() -> dict:
+    from accel_fp8_fix.rehearsal import te_on_cpu
 
-    return emu.stats()
+    return te_on_cpu.stats()
 
 
-def emu_reset() -> None:
-    import accel_fp8_fix.emulation as emu
+def te_reset() -> None:
+    from accel_fp8_fix.rehearsal import te_on_cpu
 
-    emu.reset_stats()
+    te_on_cpu.reset_stats()
+
+
+def count_forward_gemms(modules: dict):
+    """{name: FP8 GEMMs run inside that module's forward}, kept up to date by forward hooks."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for name, module in modules.items():
+        def pre(mod, args, name=name):
+            mod._gemms_before = te_stats()["fp8_gemms_fwd"]
+
+        def post(mod, args, out, name=name):
+            counts[name] += te_stats()["fp8_gemms_fwd"] - mod._gemms_before
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+    return counts
 
 
 def reset_accelerate() -> None:
@@ -234,7 +252,7 @@ def make_accelerator(
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, TERecipeKwargs
 
     if mixed_precision == "fp8":
-        ensure_emulation()
+        ensure_te_on_cpu()
     plugin = None
     if fsdp:
         kwargs = dict(fsdp_version=2, cpu_ram_efficient_loading=cpu_ram_efficient_loading)
@@ -305,7 +323,7 @@ def param_facts(model) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
-        if type(module).__module__.startswith(("transformer_engine", "accel_fp8_fix.emulation")):
+        if type(module).__module__.startswith("transformer_engine"):
             te_modules += 1
         if isinstance(module, FSDPModule):
             fsdp_modules += 1
@@ -524,9 +542,9 @@ def sc_a1_tp_te(rank, world_size):
         facts["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
         return facts
     facts.update(param_facts(model))
-    emu_reset()
+    te_reset()
     loss = _lm(model)
-    facts["fwd_stats"] = _pick(emu_stats())
+    facts["fwd_stats"] = _pick(te_stats())
     facts["loss"] = float(loss.detach())
     return facts
 
@@ -547,13 +565,13 @@ def sc_a2_fsdp2_te(rank, world_size, dp_shard=None):
         facts["prepare_error"] = err(exc)
         return facts
     facts.update(param_facts(model))
-    emu_reset()
+    te_reset()
     loss = _mse(model)
-    facts["fwd_stats"] = _pick(emu_stats())
+    facts["fwd_stats"] = _pick(te_stats())
     acc.backward(loss)
     opt.step()
     opt.zero_grad()
-    facts["step_stats"] = _pick(emu_stats())
+    facts["step_stats"] = _pick(te_stats())
     facts["loss"] = float(loss.detach())
     return facts
 
@@ -704,10 +722,9 @@ def run_plan(module, rank, world_size, plan):
 
 def meta_facts() -> dict:
     """Which layers were on in this rank: the fix set, the rehearsal wrappers, the TE emulation."""
-    import accel_fp8_fix.emulation as emu
-    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.rehearsal import gates, te_on_cpu
 
-    return {"fixes_active": fixes_active(), "rehearsal_applied": rehearsal.is_applied(), "emulation": emu.is_installed()}
+    return {"fixes_active": fixes_active(), "rehearsal_applied": gates.is_applied(), "te_on_cpu": te_on_cpu.is_installed()}
 
 
 # The launches both test modules share (memoised by launch()): rehearsal gates + stock failures on 2 ranks,
@@ -790,7 +807,7 @@ def _launched_main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch = _torch()
     from accelerate import Accelerator
-    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.rehearsal import gates as rehearsal
 
     acc = Accelerator()  # everything comes from the launcher's environment (FSDP plugin, mixed precision)
     model = block_stack()
@@ -807,9 +824,9 @@ def _launched_main(argv=None) -> int:
         model, opt = acc.prepare(model, opt)
         facts["prepare_error"] = None
         facts.update(param_facts(model))
-        emu_reset()
+        te_reset()
         facts["losses"] = _train(acc, model, opt, _mse, args.steps)
-        facts["stats"] = _pick(emu_stats())
+        facts["stats"] = _pick(te_stats())
     except Exception as exc:  # noqa: BLE001
         facts["prepare_error"] = err(exc)
     with open(f"{args.out}.rank{acc.process_index}.json", "w") as fh:

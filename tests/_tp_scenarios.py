@@ -96,7 +96,7 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
     else:
         batch = _batch()
     losses, same, norms = [], [], []
-    S.emu_reset()
+    S.te_reset()
     with CollectiveSpy() as train_spy:
         for _ in range(steps):
             loss = model(**batch).loss
@@ -111,7 +111,7 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
                 value /= dp_shard
             losses.append(float(value))
             same.append(F._all_equal_across_ranks(fp8_state_tensors(model)))
-    stats = S.emu_stats()
+    stats = S.te_stats()
     facts.update(
         losses=losses,
         reference=reference,

@@ -3,7 +3,7 @@
 One file declares one patch set, pinned to one version window::
 
     name = "accelerate-1.13-1.15"
-    kind = "fix"                      # "fix" (chosen by version) or "rehearsal" (CPU emulation only)
+    kind = "fix"                      # "fix" (chosen by version) or "rehearsal" (CPU rehearsal only)
     summary = "..."
     [requires]                        # must be installed and inside the window
     accelerate = ">=1.13,<1.16"

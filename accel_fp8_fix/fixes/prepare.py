@@ -20,6 +20,7 @@ from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
 from .fp8_autocast import build_recipe, te_autocast, wrap_forward
 from .fp8_state import broadcast_fp8_state, register_tensor_state
+from .fp8_state_loading import install_safe_loading
 from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
 
 logger = logging.getLogger("accel_fp8_fix")
@@ -137,6 +138,8 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
         for module in conversion.te_modules:
             module.init_fp8_metadata(num_gemms=GEMMS_PER_MODULE.get(type(module).__name__, 1))
     setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=("fp8_meta",))
+    for module in conversion.te_modules:
+        install_safe_loading(module)
     if group is not None:
         broadcast_fp8_state(model, group, src=ranks[0])
     wrap_forward(model, te, recipe, group, use_during_eval)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..distributed.collectives import is_dtensor
+from .fp8_shapes import install_token_check, local_dims, local_dims_fit
 
 logger = logging.getLogger("accel_fp8_fix")
 
@@ -91,10 +92,6 @@ def _te_tp_mismatch(module: nn.Module, mode) -> str | None:
         return None
     return (f"its TP style {type(style).__name__}(input {inp}, output {out}, local output {local}) has no "
             f"Transformer Engine {mode}-parallel equivalent")
-
-
-def _te_dims_ok(*dims: int) -> bool:
-    return all(d % 16 == 0 for d in dims)
 
 
 def _fsdp_params(model: nn.Module):
@@ -199,8 +196,14 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
             if name in exclude:
                 continue
             if isinstance(child, nn.Linear):
-                if not _te_dims_ok(child.in_features, child.out_features):
-                    reason = f"in_features={child.in_features}, out_features={child.out_features} (TE needs multiples of 16)"
+                mode, tp_mesh = getattr(child, TP_ATTR, (None, None))
+                tp_size = tp_mesh.size() if tp_mesh is not None else 1
+                in_local, out_local = local_dims(child.in_features, child.out_features, mode, tp_size)
+                if not local_dims_fit(in_local, out_local):
+                    shard = "" if (in_local, out_local) == (child.in_features, child.out_features) else (
+                        f" ({mode}-parallel shard on this rank: {in_local} x {out_local})")
+                    reason = (f"in_features={child.in_features}, out_features={child.out_features}{shard}: TE's FP8 "
+                              "GEMMs need multiples of 16")
                 elif isinstance(child, FSDPModule):
                     reason = "it is an FSDP2 unit of its own (its unshard hooks live on this module object)"
                 else:
@@ -209,6 +212,7 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
                     report.skipped.append((name, reason))
                     continue
                 new = _new_linear(te, child, name)
+                install_token_check(new, name)
                 names = ["weight"] + (["bias"] if child.bias is not None else [])
             elif convert_layernorm and isinstance(child, nn.LayerNorm):
                 if len(child.normalized_shape) != 1 or child.weight is None or child.bias is None:

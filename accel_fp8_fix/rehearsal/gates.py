@@ -1,7 +1,7 @@
 """CPU rehearsal gates: make accelerate run its real FSDP2 / ParallelismConfig / TP code on CPU processes.
 
-    from accel_fp8_fix.emulation import install, rehearsal
-    install(); rehearsal.activate()      # or ACCEL_FP8_FIX_EMULATE_TE=1 (see accel_fp8_fix._bootstrap)
+    from accel_fp8_fix.rehearsal import gates
+    gates.activate()      # or ACCEL_FP8_FIX_EMULATE_TE=1, which also puts TE's Python on CPU (see rehearsal/)
 
 Stock accelerate, on a machine without CUDA, never reaches its FSDP2 or TP code:
 
@@ -45,7 +45,7 @@ import threading
 
 __all__ = ["activate", "deactivate", "is_active", "is_applied", "last_decision", "accelerator_state_init", "prepare_backend"]
 
-logger = logging.getLogger("accel_fp8_fix.rehearsal")
+logger = logging.getLogger(__name__)
 
 _lock = threading.RLock()
 _engine = None

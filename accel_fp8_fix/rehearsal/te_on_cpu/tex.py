@@ -1,0 +1,833 @@
+"""CPU stand-in for ``transformer_engine_torch``, TE's C++/CUDA extension — kernels only.
+
+Everything above the kernels is TE's own Python. This module is registered as
+``sys.modules["transformer_engine_torch"]`` by ``te_on_cpu.install()`` and supplies the ops that
+``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``LayerNorm`` and ``RMSNorm`` call for the
+``DelayedScaling`` and ``Float8CurrentScaling`` recipes, written from TE's C++/CUDA sources
+(``pytorch/csrc/extensions/*.cpp``, ``pytorch/csrc/quantizer.cpp``, ``common/recipe/*.cu``):
+
+- FP8 cast = ``cvt.rn.satfinite``: round to nearest even, saturate to ±448 (E4M3) / ±57344 (E5M2),
+  NaN stays NaN; the cast kernel max-accumulates the tensor's amax into the delayed-scaling amax;
+- ``generic_gemm`` = dequantize → fp32 matmul → bias / GELU epilogues → output dtype; an FP8 operand
+  must carry the usage the layout needs (row-wise data for ``transa``, the transpose otherwise on
+  Hopper), as cuBLAS requires;
+- ``fused_amax_and_scale_update_after_reduction`` = ``delayed_scaling.cu``'s ``kernel_bulk``;
+- norms in fp32 with fused quantization of the output.
+
+Ops this stand-in does not implement raise ``NotImplementedError`` naming the op when called —
+never a silent dummy. Enums mirror TE's C++ headers value for value.
+
+Counters (``stats()``) count what ran: FP8 and high-precision GEMMs, casts, scale updates.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import sys
+from collections import Counter
+
+import torch
+
+from . import cuda_as_cpu
+
+# --------------------------------------------------------------------------------------------------
+# Enums (values from common/include/transformer_engine/*.h and pytorch/csrc/common.h)
+
+
+class DType(enum.IntEnum):
+    kByte = 0
+    kInt32 = 2
+    kFloat32 = 4
+    kFloat16 = 5
+    kBFloat16 = 6
+    kFloat8E4M3 = 7
+    kFloat8E5M2 = 8
+    kFloat4E2M1 = 10
+
+
+class FP8FwdTensors(enum.IntEnum):
+    GEMM1_INPUT = 0
+    GEMM1_WEIGHT = 1
+    GEMM1_OUTPUT = 2
+    GEMM2_INPUT = 3
+    GEMM2_WEIGHT = 4
+    GEMM2_OUTPUT = 5
+    GEMM3_INPUT = 6
+    GEMM3_WEIGHT = 7
+    GEMM3_OUTPUT = 8
+
+
+class FP8BwdTensors(enum.IntEnum):
+    GRAD_OUTPUT1 = 0
+    GRAD_INPUT1 = 1
+    GRAD_OUTPUT2 = 2
+    GRAD_INPUT2 = 3
+    GRAD_OUTPUT3 = 4
+    GRAD_INPUT3 = 5
+
+
+class NVTEScalingMode(enum.IntEnum):
+    NVTE_DELAYED_TENSOR_SCALING = 0
+    NVTE_MXFP8_1D_SCALING = 1
+    NVTE_BLOCK_SCALING_1D = 2
+    NVTE_BLOCK_SCALING_2D = 3
+    NVTE_NVFP4_1D_SCALING = 4
+    NVTE_INVALID_SCALING = 100
+
+
+class NVTE_Fused_Attn_Backend(enum.IntEnum):
+    NVTE_No_Backend = -1
+    NVTE_F16_arbitrary_seqlen = 1
+    NVTE_FP8 = 2
+
+
+class NVTE_Bias_Type(enum.IntEnum):
+    NVTE_NO_BIAS = 0
+    NVTE_PRE_SCALE_BIAS = 1
+    NVTE_POST_SCALE_BIAS = 2
+    NVTE_ALIBI = 3
+
+
+class NVTE_Mask_Type(enum.IntEnum):
+    NVTE_NO_MASK = 0
+    NVTE_PADDING_MASK = 1
+    NVTE_CAUSAL_MASK = 2
+    NVTE_PADDING_CAUSAL_MASK = 3
+    NVTE_CAUSAL_BOTTOM_RIGHT_MASK = 4
+    NVTE_PADDING_CAUSAL_BOTTOM_RIGHT_MASK = 5
+
+
+class NVTE_Softmax_Type(enum.IntEnum):
+    NVTE_VANILLA_SOFTMAX = 0
+    NVTE_OFF_BY_ONE_SOFTMAX = 1
+    NVTE_LEARNABLE_SOFTMAX = 2
+
+
+class NVTE_QKV_Format(enum.IntEnum):
+    NVTE_SBHD = 0
+    NVTE_BSHD = 1
+    NVTE_THD = 2
+    NVTE_BSHD_2SBHD = 3
+    NVTE_SBHD_2BSHD = 4
+    NVTE_THD_2BSHD = 5
+    NVTE_THD_2SBHD = 6
+    NVTE_BHSD = 7
+    NVTE_QKV_Format_NOT_SET = 8
+
+
+_QKV_LAYOUTS = (
+    "SB3HD SBH3D SBHD_SB2HD SBHD_SBH2D SBHD_SBHD_SBHD BS3HD BSH3D BSHD_BS2HD BSHD_BSH2D "
+    "BSHD_BSHD_BSHD T3HD TH3D THD_T2HD THD_TH2D THD_THD_THD SBHD_BSHD_BSHD BSHD_SBHD_SBHD "
+    "THD_BSHD_BSHD THD_SBHD_SBHD Paged_KV_BSHD_BSHD_BSHD Paged_KV_BSHD_SBHD_SBHD "
+    "Paged_KV_SBHD_BSHD_BSHD Paged_KV_SBHD_SBHD_SBHD Paged_KV_THD_BSHD_BSHD Paged_KV_THD_SBHD_SBHD "
+    "BHSD_BHSD_BHSD QKV_Layout_NOT_SET"
+).split()
+NVTE_QKV_Layout = enum.IntEnum("NVTE_QKV_Layout", {f"NVTE_{n}": i for i, n in enumerate(_QKV_LAYOUTS)})
+
+
+class CommOverlapType(enum.IntEnum):
+    RS = 0
+    AG = 1
+
+
+class CommOverlapAlgo(enum.IntEnum):
+    BULK_OVERLAP_AG = 0
+    BULK_OVERLAP_RS = 1
+    SPLIT_PIPELINED_AG_P2P = 2
+    SPLIT_PIPELINED_RS = 3
+    SPLIT_PIPELINED_RS_P2P = 4
+    ATOMIC_GEMM_RS = 5
+    ATOMIC_GEMM_AG_P2P = 6
+    ATOMIC_GEMM_RS_P2P = 7
+    EXTERNAL_BULK_OVERLAP_AG = 8
+
+
+class Float8BlockScaleTensorFormat(enum.IntEnum):
+    GEMM_READY = 0
+    COMPACT = 1
+    INVALID = 2
+
+
+class _NotOnCpu:
+    """Classes of TE's extension that need GPU hardware (userbuffers, NVSHMEM, cuSolverMp)."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"transformer_engine_torch.{type(self).__name__} is not available in the CPU rehearsal "
+            "(userbuffers / comm-GEMM overlap need GPUs)"
+        )
+
+
+class CommOverlapCore(_NotOnCpu):
+    pass
+
+
+class CommOverlapBase(CommOverlapCore):
+    pass
+
+
+class CommOverlapP2PBase(CommOverlapCore):
+    pass
+
+
+class CommOverlap(CommOverlapBase):
+    pass
+
+
+class CommOverlapP2P(CommOverlapP2PBase):
+    pass
+
+
+class CommOverlapHelper(_NotOnCpu):
+    pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Counters
+
+_STATS: Counter = Counter()
+_STAT_KEYS = ("fp8_gemms", "fp8_gemms_fwd", "fp8_gemms_bwd", "non_fp8_gemms", "non_fp8_gemms_fwd",
+              "non_fp8_gemms_bwd", "amax_reductions", "amax_reductions_fwd", "amax_reductions_bwd",
+              "scale_updates")
+_GROUPS: list = []
+
+
+def stats() -> dict:
+    """What ran since the last ``reset_stats()``: GEMMs (FP8 / high precision, forward / backward),
+    delayed-scaling amax reductions (and the group of each: "WORLD" or its sorted global ranks),
+    scale updates, casts per quantizer kind."""
+    out = {k: 0 for k in _STAT_KEYS}
+    out.update(_STATS)
+    out["amax_reduction_groups"] = list(_GROUPS)
+    return out
+
+
+def reset_stats() -> None:
+    _STATS.clear()
+    _GROUPS.clear()
+
+
+def record_amax_reduction(group, numel: int) -> None:
+    """Called (by te_on_cpu's observer of TE's ``reduce_tensor_across_group_op_max``) per all-reduce."""
+    import torch.distributed as dist
+
+    _STATS["amax_reductions"] += 1
+    _STATS["amax_reductions_bwd" if cuda_as_cpu.in_backward() else "amax_reductions_fwd"] += 1
+    _STATS["amax_elements_reduced"] += int(numel)
+    if group is None or group is dist.group.WORLD:
+        _GROUPS.append("WORLD")
+    else:
+        _GROUPS.append(sorted(dist.get_process_group_ranks(group)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Numerics
+
+FLT_MAX = torch.finfo(torch.float32).max
+_FP8 = {
+    int(DType.kFloat8E4M3): (torch.float8_e4m3fn, 448.0),
+    int(DType.kFloat8E5M2): (torch.float8_e5m2, 57344.0),
+}
+_TORCH_OF = {
+    int(DType.kByte): torch.uint8,
+    int(DType.kInt32): torch.int32,
+    int(DType.kFloat32): torch.float32,
+    int(DType.kFloat16): torch.float16,
+    int(DType.kBFloat16): torch.bfloat16,
+    int(DType.kFloat8E4M3): torch.float8_e4m3fn,
+    int(DType.kFloat8E5M2): torch.float8_e5m2,
+}
+_TE_OF = {v: k for k, v in _TORCH_OF.items()}
+
+
+def _fp8_info(te_dtype):
+    try:
+        return _FP8[int(te_dtype)]
+    except KeyError:
+        raise ValueError(f"not an FP8 dtype: {te_dtype!r}") from None
+
+
+def _torch_dtype(te_or_torch):
+    if isinstance(te_or_torch, torch.dtype):
+        return te_or_torch
+    return _TORCH_OF[int(te_or_torch)]
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, te_dtype) -> torch.Tensor:
+    """``cvt.rn.satfinite`` of ``x * scale`` (fp32): RNE, saturating, NaN kept. Returns uint8 bits."""
+    torch_dtype, fp8_max = _fp8_info(te_dtype)
+    scaled = x.float() * scale.float()
+    return scaled.clamp(-fp8_max, fp8_max).to(torch_dtype).view(torch.uint8)
+
+
+def fp8_bits_to_float(bits: torch.Tensor, te_dtype) -> torch.Tensor:
+    return bits.view(_fp8_info(te_dtype)[0]).float()
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """Max |x| in fp32, NaN ignored (as the kernels' ``fmaxf``); 0 for an empty tensor."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32)
+    a = x.detach().float().abs()
+    return torch.nan_to_num(a, nan=0.0).max()
+
+
+def scale_from_amax(amax: float, fp8_max: float, force_pow_2: bool, epsilon: float) -> float:
+    """``compute_scale_from_amax`` (common/recipe/recipe_common.cuh), fp32 arithmetic."""
+    amax = torch.tensor(amax, dtype=torch.float32)
+    if amax < epsilon:
+        amax = torch.tensor(epsilon, dtype=torch.float32)
+    if torch.isinf(amax) or amax == 0 or torch.isnan(amax):
+        return 1.0
+    scale = torch.tensor(fp8_max, dtype=torch.float32) / amax
+    if torch.isinf(scale):
+        scale = torch.tensor(FLT_MAX, dtype=torch.float32)
+    if force_pow_2:
+        bits = scale.view(torch.int32) & torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32)
+        scale = bits.view(torch.float32)
+    return float(scale)
+
+
+def _non_tn_supported() -> bool:
+    return (10, 0) <= cuda_as_cpu.capability() < (12, 0) or cuda_as_cpu.capability() >= (13, 0)
+
+
+def _transpose_shape(shape):
+    shape = list(shape)
+    return [shape[-1], *shape[:-1]] if shape else shape
+
+
+def _transpose_bits(bits: torch.Tensor) -> torch.Tensor:
+    if bits.dim() == 0:
+        return bits.clone()
+    last = bits.shape[-1]
+    return bits.reshape(-1, last).t().contiguous().reshape(_transpose_shape(bits.shape))
+
+
+def _untranspose(bits_t: torch.Tensor) -> torch.Tensor:
+    """Logical (row-major) layout of a ``_transpose`` buffer of shape ``[last, *rest]``."""
+    first = bits_t.shape[0]
+    rest = list(bits_t.shape[1:])
+    return bits_t.reshape(first, -1).t().contiguous().reshape(*rest, first)
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantized tensors
+
+
+def _te_classes():
+    from transformer_engine.pytorch.tensor.float8_tensor import (
+        Float8CurrentScalingQuantizer,
+        Float8Quantizer,
+        Float8Tensor,
+    )
+    from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+
+    return Float8Quantizer, Float8CurrentScalingQuantizer, Float8Tensor, Float8TensorStorage
+
+
+def _is_float8(t) -> bool:
+    return hasattr(t, "_fp8_dtype") and hasattr(t, "_scale_inv") and hasattr(t, "_transpose")
+
+
+def _quantizer_kind(quantizer) -> str:
+    name = type(quantizer).__name__
+    if name in ("Float8Quantizer", "Float8CurrentScalingQuantizer"):
+        return name
+    raise NotImplementedError(
+        f"transformer_engine_torch.quantize with {name}: not implemented by the CPU rehearsal "
+        "(implemented: Float8Quantizer, Float8CurrentScalingQuantizer)"
+    )
+
+
+def _make_float8(quantizer, shape, fake_dtype, data, transpose, scale_inv):
+    _, _, Float8Tensor, Float8TensorStorage = _te_classes()
+    if quantizer.internal:
+        return Float8TensorStorage(
+            data=data,
+            fp8_scale_inv=scale_inv,
+            fp8_dtype=quantizer.dtype,
+            data_transpose=transpose,
+            quantizer=quantizer,
+            fake_dtype=fake_dtype,
+        )
+    return Float8Tensor(
+        shape=list(shape),
+        dtype=fake_dtype,
+        data=data,
+        fp8_scale_inv=scale_inv,
+        fp8_dtype=quantizer.dtype,
+        data_transpose=transpose,
+        quantizer=quantizer,
+        device=torch.device("cpu"),
+    )
+
+
+def _usages(quantizer):
+    non_tn = _non_tn_supported()
+    return quantizer.rowwise_usage or non_tn, quantizer.columnwise_usage and not non_tn
+
+
+def _scale_for(quantizer, x: torch.Tensor):
+    """(scale tensor [1], amax tensor) for the cast, per recipe; updates delayed-scaling amax."""
+    kind = _quantizer_kind(quantizer)
+    amax = amax_of(x)
+    if kind == "Float8Quantizer":
+        quantizer.amax.copy_(torch.maximum(quantizer.amax, amax.reshape(quantizer.amax.shape)))
+        return quantizer.scale.detach().float().reshape(1)
+    # Float8CurrentScalingQuantizer: amax of this tensor (reduced over the group when asked), scale now.
+    if quantizer.with_amax_reduction:
+        import torch.distributed as dist
+
+        _STATS["amax_allreduce_current_scaling"] += 1
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=quantizer.amax_reduction_group)
+    _, fp8_max = _fp8_info(quantizer.dtype)
+    scale = scale_from_amax(float(amax), fp8_max, quantizer.force_pow_2_scales, quantizer.amax_epsilon)
+    return torch.tensor([scale], dtype=torch.float32)
+
+
+def quantize(tensor, quantizer, output=None, noop=None):
+    if noop is not None and float(noop.reshape(-1)[0]) != 0.0:
+        return output
+    kind = _quantizer_kind(quantizer)
+    _STATS[f"quantize_{kind}"] += 1
+    x = tensor.contiguous()
+    scale = _scale_for(quantizer, x)
+    with_data, with_transpose = _usages(quantizer)
+    bits = cast_to_fp8(x, scale, quantizer.dtype)
+    scale_inv = torch.reciprocal(scale)
+    if output is None:
+        return _make_float8(
+            quantizer,
+            x.shape,
+            x.dtype,
+            bits if with_data else None,
+            _transpose_bits(bits) if with_transpose else None,
+            scale_inv,
+        )
+    # Update in place (convert_and_update_tensor + cast kernel): usages follow the quantizer.
+    if with_data:
+        if output._data is None:
+            output._data = bits
+        else:
+            output._data.copy_(bits.reshape(output._data.shape))
+    else:
+        output._data = None
+    if with_transpose:
+        t = _transpose_bits(bits)
+        if output._transpose is None or output._transpose.shape != t.shape:
+            output._transpose = t
+        else:
+            output._transpose.copy_(t)
+        output._transpose_invalid = False
+    else:
+        output._transpose = None
+        output._transpose_invalid = True
+    if output._scale_inv is None:
+        output._scale_inv = scale_inv
+    else:
+        output._scale_inv.copy_(scale_inv.reshape(output._scale_inv.shape))
+    return output
+
+
+def _logical_bits(t, rowwise: bool, who: str) -> torch.Tensor:
+    """FP8 bits of ``t`` in logical layout, from the usage a GEMM operand needs (as cuBLAS)."""
+    if rowwise or _non_tn_supported():
+        if t._data is None:
+            raise RuntimeError(f"{who}: FP8 tensor has no row-wise data, which this GEMM layout needs")
+        return t._data
+    if t._transpose is None or getattr(t, "_transpose_invalid", False):
+        raise RuntimeError(f"{who}: FP8 tensor has no valid column-wise (transposed) data, which "
+                           "this GEMM layout needs on Hopper")
+    return _untranspose(t._transpose)
+
+
+def _dequantize_float8(t, rowwise: bool = True, who: str = "dequantize") -> torch.Tensor:
+    if t._data is None and rowwise:
+        rowwise = False
+    bits = _logical_bits(t, rowwise, who)
+    return fp8_bits_to_float(bits, t._fp8_dtype) * t._scale_inv.float().reshape(())
+
+
+def dequantize(input, otype):
+    if not _is_float8(input):
+        raise NotImplementedError(
+            f"transformer_engine_torch.dequantize of {type(input).__name__}: not implemented by the "
+            "CPU rehearsal"
+        )
+    return _dequantize_float8(input).to(_torch_dtype(otype))
+
+
+def create_empty_quantized_tensor(quantizer, shape, dtype, device, pin_memory):
+    _quantizer_kind(quantizer)
+    with_data, with_transpose = _usages(quantizer)
+    shape = list(shape)
+    return _make_float8(
+        quantizer,
+        shape,
+        dtype,
+        torch.empty(shape, dtype=torch.uint8) if with_data else None,
+        torch.empty(_transpose_shape(shape), dtype=torch.uint8) if with_transpose else None,
+        torch.empty(1, dtype=torch.float32),
+    )
+
+
+def fp8_transpose(input, dtype, *, out=None):
+    t = _transpose_bits(input)
+    if out is None:
+        return t
+    out.copy_(t.reshape(out.shape))
+    return out
+
+
+def compute_amax(input, amax):
+    amax.copy_(amax_of(input).reshape(amax.shape))
+
+
+def bgrad_quantize(input, quantizer):
+    x = input.contiguous()
+    grad_bias = x.reshape(-1, x.shape[-1]).float().sum(0).to(x.dtype)
+    if quantizer is None:
+        return [grad_bias, x]
+    return [grad_bias, quantize(x, quantizer)]
+
+
+# --------------------------------------------------------------------------------------------------
+# GEMM
+
+
+def _fake_dtype(t) -> torch.dtype:
+    return t.dtype if isinstance(t, torch.Tensor) else t._dtype
+
+
+def _operand(t, trans_needs_rowwise: bool, who: str):
+    """(fp32 2-D logical matrix, is_fp8, fake dtype, logical shape)."""
+    if _is_float8(t):
+        x = _dequantize_float8(t, rowwise=trans_needs_rowwise, who=who)
+        return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1), True, _fake_dtype(t), tuple(x.shape)
+    if hasattr(t, "_quantizer") or type(t).__name__.endswith(("Tensor", "Storage")) and not isinstance(
+        t, torch.Tensor
+    ):
+        raise NotImplementedError(
+            f"transformer_engine_torch.generic_gemm with {type(t).__name__}: not implemented by the "
+            "CPU rehearsal"
+        )
+    return t.float().reshape(-1, t.shape[-1]), False, t.dtype, tuple(t.shape)
+
+
+def _gelu(x):
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _dgelu(x):
+    x = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        (g,) = torch.autograd.grad(_gelu(x).sum(), x)
+    return g
+
+
+def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_type, gelu, gelu_in,
+                 grad, workspace, workspace_size, accumulate, use_split_accumulator,
+                 comm_overlap=None, comm_type=None, extra_output=None, bulk_overlap=False,
+                 alpha=1.0, beta=None):
+    """D = alpha * op(B) @ op(A) [+ beta * D] with TE's epilogues (row-major view of cuBLAS' TN GEMM)."""
+    if comm_overlap is not None:
+        raise NotImplementedError("transformer_engine_torch.generic_gemm with comm_overlap "
+                                  "(userbuffers): not implemented by the CPU rehearsal")
+    a, a_fp8, a_dtype, _ = _operand(A, transA, "generic_gemm operand A")
+    b, b_fp8, b_dtype, b_shape = _operand(B, not transB, "generic_gemm operand B")
+    if a_fp8 != b_fp8:
+        raise RuntimeError("generic_gemm: FP8 and non-FP8 operands cannot be mixed in one GEMM")
+    kind = "fp8_gemms" if a_fp8 else "non_fp8_gemms"
+    _STATS[kind] += 1
+    _STATS[kind + ("_bwd" if cuda_as_cpu.in_backward() else "_fwd")] += 1
+    op_a = a.t() if transA else a
+    op_b = b.t() if transB else b
+    if op_b.shape[1] != op_a.shape[0]:
+        raise RuntimeError(f"generic_gemm: shapes {tuple(op_b.shape)} x {tuple(op_a.shape)} do not match")
+    out = op_b @ op_a
+    if alpha != 1.0:
+        out = out * alpha
+    n = out.shape[1]
+    out_shape = [*b_shape[:-1], n] if not transB else [out.shape[0], n]
+
+    bias_grad = None
+    gelu_input = None
+    if grad:
+        if bias is not None:
+            bias_grad = b.sum(0).to(_torch_dtype(bias_type))
+        if gelu:
+            out = out * _dgelu(gelu_in.float().reshape(out.shape))
+    else:
+        if bias is not None:
+            out = out + bias.float()
+        if gelu:
+            gelu_input = out.to(_torch_dtype(output_dtype) if output_dtype is not None else b_dtype)
+            gelu_input = gelu_input.reshape(out_shape)
+            out = _gelu(out)
+
+    if D is not None:
+        if accumulate:
+            prev = D.float().reshape(out.shape)
+            out = out + (prev if beta in (None, 1.0) else prev * beta)
+        D.copy_(out.reshape(D.shape).to(D.dtype))
+        result = D
+    elif quantizer is not None:
+        result = quantize(out.reshape(out_shape), quantizer)
+    else:
+        otype = _torch_dtype(output_dtype) if output_dtype is not None else (b_dtype if not b_fp8 else torch.float32)
+        result = out.reshape(out_shape).to(otype)
+    return [result, bias_grad, gelu_input, extra_output]
+
+
+# --------------------------------------------------------------------------------------------------
+# Normalization (fp32 statistics, fused quantize of the output)
+
+
+def _norm_output(y32, ln_out, quantizer, otype):
+    if ln_out is not None:
+        if _is_float8(ln_out):
+            return quantize(y32, quantizer if quantizer is not None else ln_out._quantizer, ln_out)
+        ln_out.copy_(y32.reshape(ln_out.shape).to(ln_out.dtype))
+        return ln_out
+    if quantizer is not None:
+        kind = _quantizer_kind(quantizer)
+        # FP8 delayed scaling: fully fused, cast from fp32; current scaling: norm in out dtype, then cast.
+        src = y32 if kind == "Float8Quantizer" else y32.to(_torch_dtype(otype))
+        return quantize(src, quantizer)
+    return y32.to(_torch_dtype(otype))
+
+
+def _gamma(weight, zero_centered_gamma):
+    w = weight.float()
+    return w + 1.0 if zero_centered_gamma else w
+
+
+def layernorm_fwd(input, weight, bias, eps, ln_out, quantizer, otype, sm_margin, zero_centered_gamma):
+    x = input.float().reshape(-1, input.shape[-1])
+    mu = x.mean(-1)
+    var = ((x - mu[:, None]) ** 2).mean(-1)
+    rsigma = torch.rsqrt(var + eps)
+    y = (x - mu[:, None]) * rsigma[:, None] * _gamma(weight, zero_centered_gamma)
+    if bias is not None:
+        y = y + bias.float()
+    y = y.reshape(input.shape)
+    return [_norm_output(y, ln_out, quantizer, otype), mu, rsigma]
+
+
+def rmsnorm_fwd(input, weight, eps, ln_out, quantizer, otype, sm_margin, zero_centered_gamma):
+    x = input.float().reshape(-1, input.shape[-1])
+    rsigma = torch.rsqrt((x * x).mean(-1) + eps)
+    y = (x * rsigma[:, None] * _gamma(weight, zero_centered_gamma)).reshape(input.shape)
+    return [_norm_output(y, ln_out, quantizer, otype), None, rsigma]
+
+
+def layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma):
+    x2 = x.float().reshape(-1, x.shape[-1])
+    dz2 = dz.float().reshape(x2.shape)
+    xhat = (x2 - mu.float()[:, None]) * rsigma.float()[:, None]
+    dxhat = dz2 * _gamma(gamma, zero_centered_gamma)
+    dx = rsigma.float()[:, None] * (
+        dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1, keepdim=True)
+    )
+    dgamma = (dz2 * xhat).sum(0)
+    dbeta = dz2.sum(0)
+    return [dx.reshape(x.shape).to(x.dtype), dgamma.to(gamma.dtype), dbeta.to(gamma.dtype)]
+
+
+def rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma):
+    x2 = x.float().reshape(-1, x.shape[-1])
+    dz2 = dz.float().reshape(x2.shape)
+    xhat = x2 * rsigma.float()[:, None]
+    dxhat = dz2 * _gamma(gamma, zero_centered_gamma)
+    dx = rsigma.float()[:, None] * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    dgamma = (dz2 * xhat).sum(0)
+    return [dx.reshape(x.shape).to(x.dtype), dgamma.to(gamma.dtype)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations (LayerNormMLP): high-precision output, or quantized by the given quantizer
+
+
+def _act_out(y32, quantizer, like):
+    if quantizer is None:
+        return y32.to(like.dtype)
+    return quantize(y32.to(like.dtype), quantizer)
+
+
+def gelu(input, quantizer):
+    return _act_out(_gelu(input.float()), quantizer, input)
+
+
+def dgelu(grad, fwd_input, quantizer):
+    return _act_out(grad.float() * _dgelu(fwd_input.float()), quantizer, grad)
+
+
+def relu(input, quantizer):
+    return _act_out(torch.relu(input.float()), quantizer, input)
+
+
+def drelu(grad, fwd_input, quantizer):
+    return _act_out(grad.float() * (fwd_input.float() > 0).float(), quantizer, grad)
+
+
+def silu(input, quantizer):
+    return _act_out(torch.nn.functional.silu(input.float()), quantizer, input)
+
+
+def swiglu(input, quantizer):
+    a, b = input.float().chunk(2, dim=-1)
+    return _act_out(torch.nn.functional.silu(a) * b, quantizer, input)
+
+
+def dswiglu(grad, fwd_input, quantizer):
+    a, b = fwd_input.float().detach().chunk(2, dim=-1)
+    a.requires_grad_(True)
+    b.requires_grad_(True)
+    with torch.enable_grad():
+        y = torch.nn.functional.silu(a) * b
+        da, db = torch.autograd.grad(y, (a, b), grad.float())
+    return _act_out(torch.cat([da, db], dim=-1), quantizer, grad)
+
+
+def dbias_dgelu(grad, fwd_input, quantizer):
+    dact = grad.float() * _dgelu(fwd_input.float())
+    grad_bias = dact.reshape(-1, dact.shape[-1]).sum(0).to(grad.dtype)
+    return [grad_bias, _act_out(dact, quantizer, grad)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Delayed-scaling update and multi-tensor ops
+
+
+def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer, amax_histories, scales,
+                                                amax_compute_algo, fp8_dtype, margin):
+    """``delayed_scaling.cu`` ``kernel_bulk``, per scale slot:
+
+    last = reduced amax if non-zero, else history[0]. Only if last != 0: roll (h[i] = h[i+1],
+    h[-1] = last, h[0] = 0). amax = max over the rolled window ("max", NaN ignored) or last
+    ("most_recent"). scale = (fp8_max / 2**margin) / amax when amax is finite and > 0, else the old
+    scale; an infinite scale becomes FLT_MAX.
+    """
+    _STATS["scale_updates"] += 1
+    _, fp8_max = _fp8_info(fp8_dtype)
+    scaled_max = torch.tensor(fp8_max, dtype=torch.float32) / (2.0 ** margin)
+    offset = 0
+    for history, scale in zip(amax_histories, scales):
+        length, num_scale = history.shape[0], history.shape[1] if history.dim() > 1 else 1
+        h = history.view(length, num_scale)
+        s = scale.view(num_scale)
+        for c in range(num_scale):
+            reduced = float(amax_reduction_buffer[offset + c]) if amax_reduction_buffer is not None else 0.0
+            last = reduced if reduced != 0.0 else float(h[0, c])
+            amax = 0.0
+            if last != 0.0:
+                window = torch.cat([h[1:, c], torch.tensor([last], dtype=h.dtype)])
+                amax = float(torch.nan_to_num(window.float(), nan=-math.inf).max().clamp_min(0.0))
+                h[:, c] = torch.cat([torch.zeros(1, dtype=h.dtype), window[1:]])
+            if amax_compute_algo == "most_recent":
+                amax = last
+            elif amax_compute_algo != "max":
+                amax = 0.0
+            amax_t = torch.tensor(amax, dtype=torch.float32)
+            if math.isfinite(amax) and amax > 0:
+                new = scaled_max / amax_t
+            else:
+                new = s[c].float()
+            if torch.isinf(new):
+                new = torch.tensor(FLT_MAX, dtype=torch.float32)
+            s[c] = new.to(s.dtype)
+        offset += num_scale
+
+
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    src, dst = tensor_lists
+    for s, d in zip(src, dst):
+        v = s.float() * scale
+        if not torch.isfinite(v).all():
+            noop_flag.fill_(1)
+        d.copy_(v.to(d.dtype))
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+    tensors = tensor_lists[0]
+    norms = torch.stack([t.float().norm() for t in tensors]) if tensors else torch.zeros(0)
+    total = norms.norm().reshape(1) if tensors else torch.zeros(1)
+    return total, (norms if per_tensor else torch.zeros(0))
+
+
+def multi_tensor_compute_scale_and_scale_inv(chunk_size, noop_flag, tensor_lists, max_fp8,
+                                             force_pow_2_scales=False, epsilon=0.0):
+    amaxes, scales, scale_invs = tensor_lists
+    for amax, scale, scale_inv in zip(amaxes, scales, scale_invs):
+        s = scale_from_amax(float(amax.reshape(-1)[0]), max_fp8, force_pow_2_scales, epsilon)
+        scale.fill_(s)
+        scale_inv.fill_(1.0 / s)
+
+
+def swizzle_scales_for_gemm_(*args, **kwargs):
+    """Per-tensor FP8 scales need no swizzle."""
+    return None
+
+
+def multi_tensor_swizzle_scales_for_gemm_(*args, **kwargs):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Library queries
+
+
+def get_cublasLt_version():
+    return 130000
+
+
+def get_cudnn_version():
+    return 91000
+
+
+def get_num_cublas_streams():
+    return 4
+
+
+def get_stream_priority_range():
+    return (0, -1)
+
+
+def device_supports_multicast(*args, **kwargs):
+    return False
+
+
+def ubuf_built_with_mpi():
+    return False
+
+
+def get_fused_attn_backend(*args, **kwargs):
+    return NVTE_Fused_Attn_Backend.NVTE_No_Backend
+
+
+# --------------------------------------------------------------------------------------------------
+# Everything else TE's extension has: a named NotImplementedError when called.
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def not_implemented(*args, **kwargs):
+        raise NotImplementedError(
+            f"transformer_engine_torch.{name}: not implemented by the CPU rehearsal of Transformer "
+            "Engine (accel_fp8_fix.rehearsal.te_on_cpu); it covers Linear, LayerNormLinear, "
+            "LayerNormMLP, LayerNorm and RMSNorm with delayed and current FP8 scaling"
+        )
+
+    not_implemented.__name__ = name
+    if name[:1].isupper():
+        return type(name, (_NotOnCpu,), {})
+    return not_implemented
+
+
+def _self_module():
+    return sys.modules[__name__]
