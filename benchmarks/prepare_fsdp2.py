@@ -2,7 +2,7 @@
 
 Runs a real ``Accelerator(mixed_precision="fp8", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
 auto_wrap_policy="transformer_based_wrap", ...), kwargs_handlers=[TERecipeKwargs(...)])`` on 2 and 4 gloo
-processes (``accel_fp8_fix.testing.run_distributed``) with the Transformer Engine *emulation* and the CPU
+processes (``accel_fp8_fix.testing.run_distributed``) with Transformer Engine's real Python on CPU (kernel shim) and the CPU
 rehearsal gates (``ACCEL_FP8_FIX_EMULATE_TE=1``); ``ACCEL_FP8_FIX=1`` is the patched run, ``ACCEL_FP8_FIX=0``
 stock accelerate (converts the full-size model to TE *before* ``fully_shard``; on FSDP2 it does not crash,
 but FP8 stays off). The model is a stack of pre-norm MLP blocks (LayerNorm, Linear, GELU, Linear; dims
@@ -18,7 +18,7 @@ Per rank it prints / reports:
     held *above* what was live when it started (the full fp32 model every rank built);
   - largest single allocation (``accel_fp8_fix.testing.alloc.LargestAllocation``, a dispatch-level probe);
   - ``ru_maxrss`` delta (the process high-water mark; coarse: includes allocator / import effects);
-* per training step (after a warm-up step): amax reductions issued (the emulation's
+* per training step (after a warm-up step): amax reductions issued (the kernel shim's
   ``stats()["amax_reductions"]``), ``all_reduce`` calls seen by ``CollectiveSpy`` at the Python c10d layer,
   and FP8 GEMMs, for two depths, to show the amax collectives do not grow with the number of layers.
 
@@ -97,7 +97,7 @@ def make_accelerator():
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.rehearsal import gates as rehearsal
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -191,7 +191,7 @@ def _steps(acc, model, opt, dim, steps):
     import torch
     import torch.distributed as dist
 
-    import accel_fp8_fix.emulation as emu
+    from accel_fp8_fix.rehearsal import te_on_cpu as emu
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
     g = torch.Generator().manual_seed(1 + dist.get_rank())
@@ -304,7 +304,7 @@ def main(argv=None):
     full = results[(worlds[0], "patched")][0]["depths"][d0]["memory"]["full_model_bytes"]
     print(f"model: {d0} x Block(LayerNorm {args.dim}, Linear {args.dim}->{args.hidden}, GELU, Linear {args.hidden}->{args.dim})"
           f" + head Linear {args.dim}->{args.dim}: {params / 1e6:.1f} M params, {full / 2**20:.0f} MiB fp32")
-    print("TE emulation + CPU rehearsal (gloo), torch threads 1 per rank; patched = ACCEL_FP8_FIX=1, stock = 0\n")
+    print("TE Python on CPU + CPU rehearsal (gloo), torch threads 1 per rank; patched = ACCEL_FP8_FIX=1, stock = 0\n")
 
     print(f"## prepare, depth {d0} (time: slowest rank, min of {args.timed_runs} warm runs; memory: max over ranks, MiB)")
     print("| ranks | figure | patched | stock | patched/stock |")
@@ -350,7 +350,7 @@ def main(argv=None):
     explicit = {w: (results[(w, "patched")][0]["depths"][d0]["steps"]["amax_group_ranks"],
                     all(r["depths"][d]["steps"]["te_fp8_group_is_amax_group"] for r in results[(w, "patched")] for d in depths))
                 for w in worlds}
-    print(f"\namax reduction groups (patched, emulation stats): {sorted(groups)}; "
+    print(f"\namax reduction groups (patched, TE-on-CPU stats): {sorted(groups)}; "
           + "; ".join(f"{w} ranks: mesh group ranks {r}, every TE module's fp8_group is that group object: {ok}"
                       for w, (r, ok) in explicit.items()))
     where = {mode: results[(worlds[0], mode)][0]["depths"][d0]["memory"]["largest_alloc_op"] for mode in MODES}

@@ -218,7 +218,7 @@ def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16, seed: int = 1):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def dense_batch(dim: int = DIM, batch: int = 4, seed: int = 1):
+def dense_batch(dim: int = DIM, batch: int = 8, seed: int = 1):  # 8 tokens: TE FP8 GEMMs need multiples of 8
     torch = _torch()
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, dim, generator=g), torch.randn(batch, 16, generator=g)
@@ -339,30 +339,38 @@ def param_facts(model) -> dict:
     }
 
 
+CLIP = 0.5  # max grad norm in the training comparisons: small enough that clipping acts at every step
+
+
 def _reference_losses(build, batch_fn, steps: int, lr: float):
-    """Losses of the same model / data / optimizer trained undistributed in this process (the oracle)."""
+    """(losses, grad norms before clipping) of the same model / data / optimizer trained undistributed in
+    this process, clipped to ``CLIP`` (the oracle)."""
     torch = _torch()
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         loss = batch_fn(model)
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return losses
+    return losses, norms
 
 
 def _train(acc, model, opt, batch_fn, steps: int):
-    losses = []
+    """(losses, grad norms ``accelerator.clip_grad_norm_`` returned) of ``steps`` clipped training steps."""
+    losses, norms = [], []
     for _ in range(steps):
         loss = batch_fn(model)
         acc.backward(loss)
+        norm = acc.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
-    return losses
+    return losses, norms
 
 
 def _mse(model):
@@ -387,8 +395,9 @@ def sc_fsdp2_train(rank, world_size, mixed_precision="no", dp_shard=None, cpu=Fa
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     model, opt = acc.prepare(model, opt)
     facts = {**state_facts(acc), **param_facts(model)}
-    facts["losses"] = _train(acc, model, opt, _mse, steps)
-    facts["reference_losses"] = _reference_losses(block_stack, _mse, steps, lr) if mixed_precision == "no" else None
+    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _mse, steps)
+    facts["reference_losses"], facts["reference_grad_norms"] = (
+        _reference_losses(block_stack, _mse, steps, lr) if mixed_precision == "no" else (None, None))
     facts["optimizer_params_dtensor"] = all(type(p).__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
     return facts
 
@@ -404,8 +413,9 @@ def sc_tp_train(rank, world_size, mixed_precision="no", steps=2, lr=0.1):
     facts = {**state_facts(acc)}
     model, opt = acc.prepare(model, opt)
     facts.update(param_facts(model))
-    facts["losses"] = _train(acc, model, opt, _lm, steps)
-    facts["reference_losses"] = _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else None
+    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
+    facts["reference_losses"], facts["reference_grad_norms"] = (
+        _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else (None, None))
     return facts
 
 
@@ -510,8 +520,9 @@ def sc_mesh_2d(rank, world_size, dp_shard=2, tp=2, mixed_precision="no", steps=1
         facts["prepare_error"] = err(exc)
         return facts
     facts.update(param_facts(model))
-    facts["losses"] = _train(acc, model, opt, _lm, steps)
-    facts["reference_losses"] = _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else None
+    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
+    facts["reference_losses"], facts["reference_grad_norms"] = (
+        _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else (None, None))
     return facts
 
 
@@ -546,6 +557,8 @@ def sc_a1_tp_te(rank, world_size):
     loss = _lm(model)
     facts["fwd_stats"] = _pick(te_stats())
     facts["loss"] = float(loss.detach())
+    with _torch().no_grad():
+        facts["reference_loss"] = float(_lm(tiny_llama()))  # the unsharded model in fp32
     return facts
 
 
@@ -825,7 +838,7 @@ def _launched_main(argv=None) -> int:
         facts["prepare_error"] = None
         facts.update(param_facts(model))
         te_reset()
-        facts["losses"] = _train(acc, model, opt, _mse, args.steps)
+        facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _mse, args.steps)
         facts["stats"] = _pick(te_stats())
     except Exception as exc:  # noqa: BLE001
         facts["prepare_error"] = err(exc)

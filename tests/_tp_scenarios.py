@@ -1,4 +1,4 @@
-"""TP and FSDP2 x TP + TE FP8 scenarios (CPU, gloo, Transformer Engine *emulation*) for tests/test_tp_fp8.py.
+"""TP and FSDP2 x TP + TE FP8 scenarios (CPU, gloo, Transformer Engine's real Python on CPU) for tests/test_tp_fp8.py.
 
 A tiny transformers Llama is sharded with transformers 5.x TP (``_scenarios.shard_llama_tp``), prepared by
 the patched accelerate with ``mixed_precision="fp8"``, and trained; facts come back to the test.
@@ -27,8 +27,9 @@ def _batch(rank_slice=None):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _reference_losses(steps=STEPS):
-    """The same Llama, converted to emulated TE in one process (lm_head kept, as under TP), full batch."""
+def _reference_losses(steps=STEPS, fsdp2=False):
+    """The same Llama, converted to TE in one process (lm_head kept, as under TP), full batch: (losses,
+    grad norms before clipping). ``fsdp2``: the TE modules take TE's FSDP2 weight path, as the ranks do."""
     import torch
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
@@ -38,19 +39,23 @@ def _reference_losses(steps=STEPS):
 
     model = S.tiny_llama(seed=0)
     convert_after_sharding(model, te, exclude=("lm_head",))
+    for module in model.modules():
+        if fsdp2 and hasattr(module, "fp8_meta"):
+            module._is_fsdp2 = True
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                       reduce_amax=False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         with te_autocast(te)(True, recipe, None):
             loss = model(**_batch()).loss
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    te.FP8GlobalStateManager.reset()
-    return losses
+    F.reset_te_global_state()
+    return losses, norms
 
 
 def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=True, spy=False):
@@ -67,7 +72,7 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
     extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)} if fsdp else {}
     acc = S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
                              wrap_cls=["LlamaDecoderLayer"] if fsdp else None, expect=None if not fsdp else "auto", **extra)
-    reference = _reference_losses(steps)
+    reference, reference_norms = _reference_losses(steps, fsdp2=fsdp)
     mesh = acc.torch_device_mesh
     model = S.shard_llama_tp(S.tiny_llama(seed=0), mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -97,6 +102,7 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
         batch = _batch()
     losses, same, norms = [], [], []
     S.te_reset()
+    fwd_gemms = S.count_forward_gemms(te_mods)
     with CollectiveSpy() as train_spy:
         for _ in range(steps):
             loss = model(**batch).loss
@@ -110,14 +116,16 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
                 dist.all_reduce(value, group=mesh["dp_shard"].get_group())
                 value /= dp_shard
             losses.append(float(value))
-            same.append(F._all_equal_across_ranks(fp8_state_tensors(model)))
+            same.append(F._all_equal_across_ranks(F.reduced_fp8_state(model)))
     stats = S.te_stats()
     facts.update(
         losses=losses,
         reference=reference,
         fp8_state_identical_every_step=same,
         grad_norms=norms,
-        fp8_gemms_per_module={n: m.fp8_gemm_count for n, m in te_mods.items()},
+        reference_grad_norms=reference_norms,
+        fp8_gemms_fwd_per_module=dict(fwd_gemms),
+        fp8_gemms_fwd=stats["fp8_gemms_fwd"], fp8_gemms_bwd=stats["fp8_gemms_bwd"],
         amax_reductions=stats["amax_reductions"],
         train_dtensor_collectives=len(train_spy.dtensor_calls),
         train_groups=sorted({tuple(c.group_ranks) for c in train_spy.calls() if c.group_ranks is not None}),

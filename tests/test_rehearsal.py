@@ -46,7 +46,7 @@ def _assert_rehearsed(f, world, mesh=None):
 # -- in-process: the patch set and the wrappers ------------------------------------------------------------
 @pytest.fixture
 def rehearsal_restored():
-    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.rehearsal import gates as rehearsal
 
     was = rehearsal.is_active()
     yield rehearsal
@@ -115,7 +115,7 @@ def test_wrappers_pass_through_when_cuda_is_available(monkeypatch):
     import torch
     from accelerate.utils import DistributedType
 
-    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.rehearsal import gates as rehearsal
 
     state = SimpleNamespace(device=None)
     stock = lambda *a, **k: (None, DistributedType.NO)  # noqa: E731
@@ -151,7 +151,7 @@ def test_state_init_passes_through_with_cuda(monkeypatch):
     from accelerate.state import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from accel_fp8_fix.emulation import rehearsal
+    from accel_fp8_fix.rehearsal import gates as rehearsal
 
     if PartialState._shared_state:
         pytest.skip("accelerate state already initialised in this process")
@@ -169,7 +169,7 @@ def test_state_init_passes_through_with_cuda(monkeypatch):
 # -- 2 ranks ------------------------------------------------------------------------------------------------
 def test_ranks_ran_without_fixes_and_with_rehearsal(two):
     for res in two:
-        assert res["_meta"] == {"fixes_active": False, "rehearsal_applied": True, "emulation": True}
+        assert res["_meta"] == {"fixes_active": False, "rehearsal_applied": True, "te_on_cpu": True}
 
 
 def test_fsdp2_prepare_shards_and_trains_like_the_oracle(two):
@@ -180,6 +180,7 @@ def test_fsdp2_prepare_shards_and_trains_like_the_oracle(two):
         assert set(p for pl in f["placements"].values() for p in pl) == {"S(0)"}
         assert f["optimizer_params_dtensor"]
         assert f["losses"] == pytest.approx(f["reference_losses"], rel=1e-5)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-5)  # clipped norm = one-process norm
         assert f["losses"][1] < f["losses"][0]
 
 
@@ -188,6 +189,7 @@ def test_fsdp2_on_parallelism_config_mesh(two):
         _assert_rehearsed(f, 2, mesh={"device_type": "cpu", "dim_names": ["dp_shard"], "shape": [2]})
         assert f["all_dtensor"] and f["param_meshes"] == [["cpu", ["dp_shard_cp"], [2]]]
         assert f["losses"] == pytest.approx(f["reference_losses"], rel=1e-5)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-5)  # clipped norm = one-process norm
 
 
 def test_cpu_true_is_rehearsed_too(two):
@@ -209,6 +211,7 @@ def test_tp_prepare_and_train(two):
         assert pl["model.layers.1.mlp.down_proj.weight"] == ["S(1)"]
         assert f["param_kinds"]["model.norm.weight"] == "Parameter"
         assert f["losses"] == pytest.approx(f["reference_losses"], rel=1e-5)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-5)  # clipped norm = one-process norm
 
 
 def test_partial_state_created_first_from_launcher_env(two):
@@ -250,6 +253,7 @@ def test_fsdp2_on_four_ranks(four):
         _assert_rehearsed(f, 4, mesh={"device_type": "cpu", "dim_names": ["dp_shard"], "shape": [4]})
         assert f["all_dtensor"] and f["param_meshes"] == [["cpu", ["dp_shard_cp"], [4]]]
         assert f["losses"] == pytest.approx(f["reference_losses"], rel=1e-5)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-5)  # clipped norm = one-process norm
 
 
 def test_fsdp2_x_tp_builds_the_2d_mesh_on_cpu(four):
@@ -274,7 +278,7 @@ def test_single_process_run_is_untouched():
         import json
         from accelerate import Accelerator
         from accelerate.utils import FullyShardedDataParallelPlugin
-        from accel_fp8_fix.emulation import rehearsal
+        from accel_fp8_fix.rehearsal import gates as rehearsal
         acc = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
         print(json.dumps({"applied": rehearsal.is_applied(), "decision": rehearsal.last_decision(),
                           "type": acc.distributed_type.name, "n": acc.num_processes}))

@@ -28,7 +28,7 @@ def _facts(results, plan, name, kwargs=None):
 
 def test_stock_layers(two, four):
     for res in (*two, *four):
-        assert res["_meta"] == {"fixes_active": False, "rehearsal_applied": True, "emulation": True}
+        assert res["_meta"] == {"fixes_active": False, "rehearsal_applied": True, "te_on_cpu": True}
 
 
 def test_a1_tp_plus_te_prepare_raises_mixed_tensor_dtensor(two):
@@ -55,7 +55,7 @@ def test_a2_fsdp2_plus_te_runs_without_fp8(two):
 
 def test_a4_convert_model_stops_at_a_non_divisible_linear(two):
     for f in _facts(two, S.PLAN_2RANK, "sc_a4_convert_model"):
-        assert f["first"] == "accel_fp8_fix.Linear"  # converted (the emulated te.Linear)
+        assert f["first"] == "transformer_engine.Linear"  # converted
         assert f["odd"] == "torch.Linear"  # 64 -> 40: skipped, correctly
         # ... but `return` instead of `continue`: every later sibling is left unconverted
         assert f["after"] == "torch.Linear" and f["norm_after"] == "torch.LayerNorm"

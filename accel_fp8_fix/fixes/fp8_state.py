@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed.collectives import broadcast_
+from ..distributed.collectives import all_reduce_, broadcast_
 
 SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
               "_state_dict_hooks", "_load_state_dict_pre_hooks", "_non_persistent_buffers_set"}
@@ -168,3 +168,26 @@ def broadcast_fp8_state(model: nn.Module, group, src: int = 0) -> int:
         broadcast_(tensor, src=src, group=group, name=name)
         sent += tensor.numel() * tensor.element_size()
     return sent
+
+
+@torch.no_grad()
+def reduce_pending_amax(model: nn.Module, group) -> int:
+    """MAX-reduce row 0 of every amax history on ``group`` (one collective); returns the values reduced.
+
+    Row 0 is the current step's amax, still rank-local until TE's next reduction takes its max over the
+    group (TP shards differ; under FSDP2 TE's backward writes the weight amax there). Reducing it early is
+    idempotent for training and makes every rank hold the same state, so a checkpoint — whichever rank's
+    copy the writer keeps — resumes exactly as the uninterrupted run continues.
+    """
+    import torch.distributed as dist
+
+    rows = [t[0] for name, t in sorted(fp8_state_tensors(model).items()) if name.endswith("amax_history")]
+    if not rows:
+        return 0
+    flat = torch.cat([r.reshape(-1).float() for r in rows])
+    all_reduce_(flat, op=dist.ReduceOp.MAX, group=group, name="pending amax (row 0 of the amax histories)")
+    offset = 0
+    for row in rows:
+        row.copy_(flat[offset:offset + row.numel()].reshape(row.shape))
+        offset += row.numel()
+    return flat.numel()

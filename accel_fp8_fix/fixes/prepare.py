@@ -150,12 +150,3 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     )
     return setup
 
-
-def load_state(wrapped, instance, args, kwargs):
-    """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group)."""
-    result = wrapped(*args, **kwargs)
-    setup = getattr(instance, "accel_fp8_fix", None)
-    if setup is not None and setup.fp8_enabled and setup.amax_group is not None:
-        for model in instance._models:
-            broadcast_fp8_state(model, setup.amax_group, src=setup.amax_group_ranks[0])
-    return result

@@ -173,6 +173,23 @@ def _scoped(name: str, te_answer):
     return original, scoped
 
 
+def _autocast_scoped(name: str):
+    """``torch.<name>`` for TE's frames: questions about CUDA autocast are answered for CPU autocast
+    (accelerate autocasts on the device it runs on, which here is the CPU)."""
+    original = getattr(torch, name)
+
+    def scoped(*args, **kwargs):
+        if _from_te():
+            device = args[0] if args else kwargs.get("device_type", "cuda")
+            if name == "get_autocast_gpu_dtype" or device == "cuda":
+                return original("cpu") if name != "get_autocast_gpu_dtype" else torch.get_autocast_dtype("cpu")
+        return original(*args, **kwargs)
+
+    scoped.__name__ = name
+    scoped.__wrapped__ = original
+    return original, scoped
+
+
 @contextlib.contextmanager
 def _stream_ctx(stream=None):
     yield stream
@@ -247,6 +264,11 @@ def install() -> None:
     for name, value in (("Stream", _Stream), ("Event", _Event), ("stream", _stream_ctx)):
         saved[name] = getattr(torch.cuda, name, None)
         setattr(torch.cuda, name, value)
+    for name in ("is_autocast_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype"):
+        if hasattr(torch, name):
+            original, scoped = _autocast_scoped(name)
+            saved["torch." + name] = original
+            setattr(torch, name, scoped)
     mode = CudaAsCpuMode()
 
     original = torch.autograd.graph._engine_run_backward
@@ -262,7 +284,9 @@ def uninstall() -> None:
     if not _state["installed"]:
         return
     for name, original in _state["saved"].items():
-        if original is None:
+        if name.startswith("torch."):
+            setattr(torch, name[len("torch."):], original)
+        elif original is None:
             delattr(torch.cuda, name)
         else:
             setattr(torch.cuda, name, original)
