@@ -303,3 +303,59 @@ def launch(plan, world_size, env=None, timeout=300.0, suite_fn=None):
     """One memoised 4-or-2-rank launch of this module's scenarios (fixes on unless ``env`` says otherwise)."""
     return S.launch(plan, world_size, env=env or S.ENV_FIXED, timeout=timeout, collective_timeout=90,
                     suite_fn=suite_fn or suite)
+
+
+def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentrant=False):
+    """FP8 training with activation checkpointing: ``how`` = "transformers" (a Llama with
+    ``gradient_checkpointing_enable()`` before prepare) or "accelerate" (FSDP2 plugin
+    ``activation_checkpointing=True``: torch's CheckpointWrapper around each Block), or "none" (the
+    same model without checkpointing, the comparison). ``fix=False`` leaves the checkpoint functions as
+    they are (what stock routing does): the recompute then runs outside TE's FP8 autocast."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import accel_fp8_fix.fixes.prepare as prepare_fix
+
+    S.ensure_rehearsal(True)
+    from accel_fp8_fix.fixes.activation_checkpointing import route_checkpointing_through_te
+
+    if not fix:
+        prepare_fix.route_checkpointing_through_te = lambda model: ([], [])
+    llama = how in ("transformers", "none-llama")
+    kwargs = {"activation_checkpointing": True} if how == "accelerate" else {}
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE,
+                             wrap_cls=["LlamaDecoderLayer"] if llama else ["Block"],
+                             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                         reduce_dtype=torch.float32), **kwargs)
+    model = S.tiny_llama(seed=0) if llama else S.block_stack(seed=0)
+    if how == "transformers":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    facts = {"routed": acc.accel_fp8_fix.checkpointing_routed, "error": None}
+    S.te_reset()
+    losses = []
+    try:
+        for _ in range(steps):
+            if llama:
+                loss = model(**S.token_batch(batch=2, seq=8, seed=rank)).loss
+            else:
+                x, y = _global_batch()
+                per = GLOBAL_BATCH // world_size
+                loss = torch.nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]).float(),
+                                                    y[rank * per:(rank + 1) * per])
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(float(value) / world_size)
+    except Exception as exc:  # noqa: BLE001
+        facts["error"] = S.err(exc)
+    stats = S.te_stats()
+    facts.update(losses=losses, fp8_gemms_fwd=stats["fp8_gemms_fwd"], fp8_gemms_bwd=stats["fp8_gemms_bwd"],
+                 non_fp8_gemms=stats["non_fp8_gemms"], amax_reductions=stats["amax_reductions"],
+                 amax_groups=sorted({str(g) for g in stats["amax_reduction_groups"]}))
+    prepare_fix.route_checkpointing_through_te = route_checkpointing_through_te
+    return facts

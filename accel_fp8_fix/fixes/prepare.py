@@ -18,6 +18,7 @@ import torch
 from .._api import active_patch_set
 from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
+from .activation_checkpointing import route_checkpointing_through_te
 from .fp8_autocast import build_recipe, te_autocast, wrap_forward
 from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_state_loading import install_safe_loading
@@ -40,6 +41,7 @@ class Fp8Setup:
     mesh: object = None
     registered_state: list = field(default_factory=list)
     fp8_enabled: bool = False
+    checkpointing_routed: list = field(default_factory=list)  # layers recomputing with TE's FP8-aware checkpoint
 
 
 def _handles(accelerator) -> bool:
@@ -143,6 +145,10 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     if group is not None:
         broadcast_fp8_state(model, group, src=ranks[0])
     wrap_forward(model, te, recipe, group, use_during_eval)
+    setup.checkpointing_routed, custom = route_checkpointing_through_te(model)
+    if custom:
+        logger.warning("accel_fp8_fix: %d layer(s) use a custom activation-checkpoint function, left as is; its "
+                       "recompute must run under TE's FP8 autocast: %s", len(custom), ", ".join(custom))
     setup.fp8_enabled = True
     logger.info(
         "accel_fp8_fix: %d module(s) converted to Transformer Engine after sharding, %d kept; amax group %s",

@@ -153,6 +153,8 @@ def _te_answers() -> dict:
         "manual_seed": lambda seed: None,
         "memory_allocated": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
+        "_lazy_init": lambda: None,
+        "_lazy_call": lambda callable, **kwargs: callable(),
     }
 
 
@@ -260,8 +262,10 @@ def install() -> None:
         original, scoped = _scoped(name, answer)
         saved[name] = original
         setattr(torch.cuda, name, scoped)
-    # Stream / Event classes and the stream context: TE only ever uses them to order work.
-    for name, value in (("Stream", _Stream), ("Event", _Event), ("stream", _stream_ctx)):
+    # Stream / Event classes and the stream context: TE only ever uses them to order work. The "CUDA"
+    # generator is the CPU one: the CUDA ops of TE's frames run on the CPU (dropout draws from it).
+    for name, value in (("Stream", _Stream), ("Event", _Event), ("stream", _stream_ctx),
+                        ("default_generators", (torch.default_generator,))):
         saved[name] = getattr(torch.cuda, name, None)
         setattr(torch.cuda, name, value)
     for name in ("is_autocast_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype"):

@@ -195,7 +195,8 @@ _GROUPS: list = []
 
 def stats() -> dict:
     """What ran since the last ``reset_stats()``: GEMMs (FP8 / high precision, forward / backward),
-    delayed-scaling amax reductions (and the group of each: "WORLD" or its sorted global ranks),
+    delayed-scaling amax reductions (and the group of each: "default" when none was given, "WORLD", or
+    its sorted global ranks),
     scale updates, casts per quantizer kind."""
     out = {k: 0 for k in _STAT_KEYS}
     out.update(_STATS)
@@ -215,7 +216,9 @@ def record_amax_reduction(group, numel: int) -> None:
     _STATS["amax_reductions"] += 1
     _STATS["amax_reductions_bwd" if cuda_as_cpu.in_backward() else "amax_reductions_fwd"] += 1
     _STATS["amax_elements_reduced"] += int(numel)
-    if group is None or group is dist.group.WORLD:
+    if group is None:
+        _GROUPS.append("default")  # no group given: c10d's default group (WORLD)
+    elif group is dist.group.WORLD:
         _GROUPS.append("WORLD")
     else:
         _GROUPS.append(sorted(dist.get_process_group_ranks(group)))
