@@ -59,7 +59,10 @@ def _reference_fp8_losses(steps=STEPS):
 
 def reset_te_global_state():
     """TE's global amax buffers outlive a model: a reference trained in a rank leaves none behind."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:  # TE < 2.9
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
     FP8GlobalStateManager.reset()
 
@@ -170,6 +173,17 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
                          if k.endswith("scale")),
     )
     return facts
+
+
+def sc_te_version(rank, world_size):
+    """Which Transformer Engine Python this rank imported (tests/test_te_versions.py shadows the venv's)."""
+    from importlib.metadata import version
+
+    import transformer_engine
+    import transformer_engine.pytorch as te
+
+    return {"version": version("transformer-engine"), "file": transformer_engine.__file__,
+            "has_autocast": hasattr(te, "autocast")}
 
 
 def sc_no_convertible_layer(rank, world_size):

@@ -26,23 +26,37 @@ def cache_root() -> Path:
     return Path(os.environ.get("ACCEL_FP8_FIX_TEST_CACHE", Path.home() / ".cache" / "accel_fp8_fix"))
 
 
-def install(version: str, timeout: float = 180) -> tuple[str | None, str]:
-    """``(directory, "")`` holding accelerate ``version`` (installed once, then cached), or ``(None, why)``."""
-    target = cache_root() / f"accelerate-{version}"
-    marker = target / f"accelerate-{version}.dist-info"
-    if (target / "accelerate").is_dir() and marker.is_dir():
+def install(version: str, timeout: float = 180, package: str = "accelerate") -> tuple[str | None, str]:
+    """``(directory, "")`` holding ``package==version`` (installed once, then cached), or ``(None, why)``."""
+    module = package.replace("-", "_")
+    target = cache_root() / f"{package}-{version}"
+    marker = target / f"{module}-{version}.dist-info"
+    if (target / module).is_dir() and marker.is_dir():
         return str(target), ""
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--disable-pip-version-check",
-             "--target", str(target), f"accelerate=={version}"],
+             "--target", str(target), f"{package}=={version}"],
             capture_output=True, text=True, timeout=timeout,
         )
     except (subprocess.TimeoutExpired, OSError) as exc:
-        return None, f"cannot fetch accelerate {version} from the package registry: {exc}"
+        return None, f"cannot fetch {package} {version} from the package registry: {exc}"
     if proc.returncode != 0 or not marker.is_dir():
-        return None, f"cannot fetch accelerate {version} from the package registry: {proc.stderr[-300:]}"
+        return None, f"cannot fetch {package} {version} from the package registry: {proc.stderr[-300:]}"
     return str(target), ""
+
+
+def require(version: str, package: str = "accelerate") -> str:
+    """The directory of ``package==version``; without the registry: skip, or fail under CI (``CI=true``),
+    where a skipped version test would let a green run hide an untested window."""
+    import pytest
+
+    directory, why = install(version, package=package)
+    if directory is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return directory
 
 
 # -- the static probe (a fresh interpreter with PYTHONPATH=<version dir>) ------------------------------------

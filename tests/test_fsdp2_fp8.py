@@ -108,3 +108,38 @@ def test_checkpoint_saved_on_4_ranks_loads_on_2_bit_for_bit(tmp_path):
         assert f["fp8_state_identical"]
         assert f["fp8_compared"] == 20 and f["fp8_mismatched"] == []  # scale + amax_history, fwd + bwd, 5 Linears
         assert f["fp8_nontrivial"] > 0  # the compared FP8 state is trained state, not initial values
+
+
+# -- activation checkpointing under FP8 (A14): one launch, with and without checkpointing, fix on and off ----
+PLAN_AC = [("sc_activation_checkpointing", {"how": h, "fix": fix}) for h, fix in (
+    ("none", True), ("accelerate", True), ("accelerate", False),
+    ("none-llama", True), ("transformers", True), ("transformers", False))]
+
+
+@pytest.fixture(scope="module")
+def ac():
+    results = F.launch(PLAN_AC, 2)
+    return {kw["how"] + ("" if kw["fix"] else "-stock"): S.facts_of(results, S.key_of(PLAN_AC, n, kw))
+            for n, kw in PLAN_AC}
+
+
+@pytest.mark.parametrize("how,baseline,routed,recomputed_gemms", [
+    ("accelerate", "none", ["blocks.0", "blocks.1"], 4),  # FSDP2 plugin activation_checkpointing=True
+    ("transformers", "none-llama", ["model", "model.layers.0", "model.layers.1"], 14),  # gradient_checkpointing_enable()
+])
+def test_activation_checkpointing_recomputes_in_fp8_with_the_same_losses(ac, how, baseline, routed, recomputed_gemms):
+    for on, off in zip(ac[how], ac[baseline]):
+        assert on["error"] is None and on["routed"] == routed
+        assert on["losses"] == pytest.approx(off["losses"], rel=1e-6)  # the recompute reproduces the FP8 forward
+        assert on["non_fp8_gemms"] == 0 and on["fp8_gemms_fwd"] == off["fp8_gemms_fwd"]
+        # backward = dgrad + wgrad of every Linear + the recomputed forward GEMMs of the checkpointed layers
+        assert on["fp8_gemms_bwd"] == off["fp8_gemms_bwd"] + recomputed_gemms * 3
+        assert on["amax_groups"] == off["amax_groups"]
+
+
+@pytest.mark.parametrize("how", ["accelerate", "transformers"])
+def test_activation_checkpointing_without_the_fix_fails_on_the_recompute(ac, how):
+    for f in ac[how + "-stock"]:
+        # torch's checkpoint recomputes outside TE's autocast: high precision, other saved tensors
+        assert f["error"].startswith("CheckpointError") and "Recomputed values" in f["error"]
+        assert f["losses"] == []

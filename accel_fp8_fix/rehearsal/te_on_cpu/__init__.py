@@ -21,7 +21,7 @@ import sys
 __all__ = ["install", "is_installed", "te_version", "stats", "reset_stats", "TESTED_TE_VERSIONS"]
 
 # TE releases whose Python this shim has run (tests/te_cpu and the distributed suite).
-TESTED_TE_VERSIONS = ("2.20.2",)
+TESTED_TE_VERSIONS = ("2.8.0", "2.20.2")
 
 _installed = {"finder": None}
 
@@ -91,9 +91,16 @@ def _observe_amax_reductions() -> None:
         return wrapped(*args, **kwargs)
 
     def on_import(module):
-        wrapt.wrap_function_wrapper(module, "FP8GlobalStateManager.reduce_tensor_across_group_op_max", observe)
+        manager = vars(module).get("FP8GlobalStateManager")
+        if manager is None or "reduce_tensor_across_group_op_max" not in vars(manager):
+            return
+        if not getattr(manager, "_accel_fp8_fix_observed", False):  # 2.9+ re-exports it from fp8.py
+            wrapt.wrap_function_wrapper(module, "FP8GlobalStateManager.reduce_tensor_across_group_op_max", observe)
+            manager._accel_fp8_fix_observed = True
 
-    wrapt.register_post_import_hook(on_import, "transformer_engine.pytorch.quantization")
+    # FP8GlobalStateManager lives in pytorch/quantization.py since TE 2.9, in pytorch/fp8.py before.
+    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        wrapt.register_post_import_hook(on_import, name)
 
 
 def is_installed() -> bool:

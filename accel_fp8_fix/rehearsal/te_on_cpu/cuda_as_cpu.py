@@ -154,6 +154,7 @@ def _te_answers() -> dict:
         "memory_allocated": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
         "_lazy_init": lambda: None,
+        "device": lambda device=None: contextlib.nullcontext(),
         "_lazy_call": lambda callable, **kwargs: callable(),
     }
 
@@ -268,6 +269,18 @@ def install() -> None:
                         ("default_generators", (torch.default_generator,))):
         saved[name] = getattr(torch.cuda, name, None)
         setattr(torch.cuda, name, value)
+    # NVTX ranges (older TE opens one per forward): no profiler here, so no-ops for TE's frames.
+    import torch.cuda.nvtx as nvtx
+
+    for name, answer in (("range", lambda *a, **k: contextlib.nullcontext()), ("range_push", lambda *a, **k: 0),
+                         ("range_pop", lambda *a, **k: 0), ("mark", lambda *a, **k: None)):
+        original = getattr(nvtx, name)
+
+        def scoped(*args, _original=original, _answer=answer, **kwargs):
+            return _answer(*args, **kwargs) if _from_te() else _original(*args, **kwargs)
+
+        saved["nvtx." + name] = original
+        setattr(nvtx, name, scoped)
     for name in ("is_autocast_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype"):
         if hasattr(torch, name):
             original, scoped = _autocast_scoped(name)
@@ -290,6 +303,8 @@ def uninstall() -> None:
     for name, original in _state["saved"].items():
         if name.startswith("torch."):
             setattr(torch, name[len("torch."):], original)
+        elif name.startswith("nvtx."):
+            setattr(torch.cuda.nvtx, name[len("nvtx."):], original)
         elif original is None:
             delattr(torch.cuda, name)
         else:

@@ -76,10 +76,22 @@ class NVTEScalingMode(enum.IntEnum):
     NVTE_INVALID_SCALING = 100
 
 
-class NVTE_Fused_Attn_Backend(enum.IntEnum):
-    NVTE_No_Backend = -1
-    NVTE_F16_arbitrary_seqlen = 1
-    NVTE_FP8 = 2
+def _te_before(version: str) -> bool:
+    from packaging.version import Version
+
+    from . import te_version
+
+    installed = te_version()
+    return installed is not None and Version(installed) < Version(version)
+
+
+# TE checks at import that its Python enum has exactly the extension's members; max512 left in 2.16.
+NVTE_Fused_Attn_Backend = enum.IntEnum("NVTE_Fused_Attn_Backend", {
+    "NVTE_No_Backend": -1,
+    **({"NVTE_F16_max512_seqlen": 0} if _te_before("2.16") else {}),
+    "NVTE_F16_arbitrary_seqlen": 1,
+    "NVTE_FP8": 2,
+})
 
 
 class NVTE_Bias_Type(enum.IntEnum):
@@ -320,14 +332,44 @@ def _untranspose(bits_t: torch.Tensor) -> torch.Tensor:
 
 
 def _te_classes():
-    from transformer_engine.pytorch.tensor.float8_tensor import (
-        Float8CurrentScalingQuantizer,
-        Float8Quantizer,
-        Float8Tensor,
-    )
-    from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+    """(Float8Tensor, its storage class) of the installed TE (the storage was ``Float8TensorBase`` in
+    ``tensor/_internal`` before 2.10)."""
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
 
-    return Float8Quantizer, Float8CurrentScalingQuantizer, Float8Tensor, Float8TensorStorage
+    try:
+        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
+    except ImportError:
+        from transformer_engine.pytorch.tensor._internal.float8_tensor_base import (
+            Float8TensorBase as Float8TensorStorage,
+        )
+    return Float8Tensor, Float8TensorStorage
+
+
+def _accepted(cls, kwargs: dict) -> dict:
+    """``kwargs`` less the keywords that the installed TE's constructors (``cls`` and its
+    ``QuantizedTensor`` base) do not take: they grew ``fake_dtype``, ``device`` and ``stride`` over time."""
+    import inspect
+
+    names = set()
+    for klass in cls.__mro__:
+        new = vars(klass).get("__new__")
+        if new is None:
+            continue
+        params = inspect.signature(new).parameters
+        names |= {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def _make_float8(quantizer, shape, fake_dtype, data, transpose, scale_inv):
+    Float8Tensor, Float8TensorStorage = _te_classes()
+    common = dict(data=data, fp8_scale_inv=scale_inv, fp8_dtype=quantizer.dtype, data_transpose=transpose,
+                  quantizer=quantizer)
+    if quantizer.internal:
+        return Float8TensorStorage(**_accepted(Float8TensorStorage, {**common, "fake_dtype": fake_dtype}))
+    return Float8Tensor(**_accepted(Float8Tensor, {**common, "shape": list(shape), "dtype": fake_dtype,
+                                                   "device": torch.device("cpu")}))
 
 
 def _is_float8(t) -> bool:
@@ -341,29 +383,6 @@ def _quantizer_kind(quantizer) -> str:
     raise NotImplementedError(
         f"transformer_engine_torch.quantize with {name}: not implemented by the CPU rehearsal "
         "(implemented: Float8Quantizer, Float8CurrentScalingQuantizer)"
-    )
-
-
-def _make_float8(quantizer, shape, fake_dtype, data, transpose, scale_inv):
-    _, _, Float8Tensor, Float8TensorStorage = _te_classes()
-    if quantizer.internal:
-        return Float8TensorStorage(
-            data=data,
-            fp8_scale_inv=scale_inv,
-            fp8_dtype=quantizer.dtype,
-            data_transpose=transpose,
-            quantizer=quantizer,
-            fake_dtype=fake_dtype,
-        )
-    return Float8Tensor(
-        shape=list(shape),
-        dtype=fake_dtype,
-        data=data,
-        fp8_scale_inv=scale_inv,
-        fp8_dtype=quantizer.dtype,
-        data_transpose=transpose,
-        quantizer=quantizer,
-        device=torch.device("cpu"),
     )
 
 
@@ -502,7 +521,7 @@ def bgrad_quantize(input, quantizer):
 
 
 def _fake_dtype(t) -> torch.dtype:
-    return t.dtype if isinstance(t, torch.Tensor) else t._dtype
+    return t.dtype if isinstance(t, torch.Tensor) else getattr(t, "_dtype", torch.float32)
 
 
 def _operand(t, trans_needs_rowwise: bool, who: str):
