@@ -22,7 +22,14 @@ def _global_batch(dim=S.DIM):
     return torch.randn(GLOBAL_BATCH, dim, generator=g), torch.randn(GLOBAL_BATCH, 16, generator=g)
 
 
-def _reference_fp8_losses(steps=STEPS):
+def _freeze(model, frozen):
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 1)[0] in frozen:
+            param.requires_grad_(False)
+    return model
+
+
+def _reference_fp8_losses(steps=STEPS, frozen=()):
     """The same FP8 model trained in this one process on the full batch (no collectives:
     reduce_amax=False — one process already sees every sample's amax)."""
     import torch
@@ -32,7 +39,7 @@ def _reference_fp8_losses(steps=STEPS):
     from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    model = S.block_stack(seed=0)
+    model = _freeze(S.block_stack(seed=0), frozen)
     convert_after_sharding(model, te)
     for module in model.modules():
         if hasattr(module, "fp8_meta"):
@@ -108,8 +115,9 @@ def _all_equal_across_ranks(tensors: dict) -> bool:
     return all(set(g) == set(gathered[0]) and all(torch.equal(g[k], gathered[0][k]) for k in g) for g in gathered)
 
 
-def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps=STEPS):
-    """FSDP2 + FP8 through the patched prepare: FP8 on, state registered + identical, losses vs one process."""
+def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps=STEPS, frozen=()):
+    """FSDP2 + FP8 through the patched prepare: FP8 on, state registered + identical, losses vs one process.
+    ``frozen``: module names whose parameters do not train (PEFT-style frozen first layers), in both."""
     import torch
     import torch.distributed as dist
 
@@ -124,9 +132,9 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
                              wrap_cls=["Block"], fp8_recipe=RECIPE,
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
-    reference = _reference_fp8_losses(steps)
-    model = S.block_stack(seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    reference = _reference_fp8_losses(steps, frozen)
+    model = _freeze(S.block_stack(seed=0), frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
     te_mods = {n: m for n, m in model.named_modules() if hasattr(m, "fp8_meta")}
@@ -142,7 +150,7 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
         "buffers_visible": sorted(n for n, _ in model.named_buffers() if "_fp8_" in n)[:4],
         "params_are_dtensors": all(type(p).__name__ == "DTensor" for p in model.parameters()),
         "optimizer_holds_model_params": {id(p) for g in opt.param_groups for p in g["params"]}
-        == {id(p) for p in model.parameters()},
+        == {id(p) for p in model.parameters() if p.requires_grad},
     }
     x, y = _global_batch()
     per = GLOBAL_BATCH // world_size

@@ -9,8 +9,11 @@ import pytest
 import _fp8_scenarios as F
 import _scenarios as S
 
+FROZEN = {"first Linear": ["blocks.0.norm", "blocks.0.fc1"],
+          "first block and a norm": ["blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.norm"]}
 PLAN_2 = [
     ("sc_fsdp2_fp8_train", {}),
+    *[("sc_fsdp2_fp8_train", {"frozen": frozen, "steps": 4}) for frozen in FROZEN.values()],
     ("sc_no_convertible_layer", {}),
     ("sc_optimizer_without_model", {}),
     ("sc_largest_allocation", {}),
@@ -143,3 +146,18 @@ def test_activation_checkpointing_without_the_fix_fails_on_the_recompute(ac, how
         # torch's checkpoint recomputes outside TE's autocast: high precision, other saved tensors
         assert f["error"].startswith("CheckpointError") and "Recomputed values" in f["error"]
         assert f["losses"] == []
+
+
+@pytest.mark.parametrize("case,bwd_gemms_per_step", [("first Linear", 7), ("first block and a norm", 5)])
+def test_frozen_first_layers_keep_one_backward_reduction_and_the_reference_losses(case, bwd_gemms_per_step):
+    """PEFT-style frozen first layers change which TE module starts the backward amax reduction (TE lets a
+    module do it only if something of it needs grad): still one reduction per pass on the mesh's group,
+    identical state, and the losses of the same freezing in one process."""
+    kwargs = {"frozen": FROZEN[case], "steps": 4}
+    results = F.launch(PLAN_2, 2)
+    for f in S.facts_of(results, S.key_of(PLAN_2, "sc_fsdp2_fp8_train", kwargs)):
+        assert f["amax_reductions"] == 2 * 4 and f["fp8_state_identical_every_step"] == [True] * 4
+        assert f["fp8_gemms_fwd"] == 5 * 4 and f["non_fp8_gemms"] == 0
+        # frozen layers whose input needs no grad run neither dgrad nor wgrad
+        assert f["fp8_gemms_bwd"] == bwd_gemms_per_step * 4
+        F.check_losses(f, f["reference"])

@@ -285,7 +285,7 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32)
     a = x.detach().float().abs()
-    return torch.nan_to_num(a, nan=0.0).max()
+    return torch.where(torch.isnan(a), 0.0, a).max()
 
 
 def scale_from_amax(amax: float, fp8_max: float, force_pow_2: bool, epsilon: float) -> float:
@@ -747,7 +747,8 @@ def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer, amax_hist
             amax = 0.0
             if last != 0.0:
                 window = torch.cat([h[1:, c], torch.tensor([last], dtype=h.dtype)])
-                amax = float(torch.nan_to_num(window.float(), nan=-math.inf).max().clamp_min(0.0))
+                window32 = window.float()
+                amax = float(torch.where(torch.isnan(window32), 0.0, window32).max().clamp_min(0.0))
                 h[:, c] = torch.cat([torch.zeros(1, dtype=h.dtype), window[1:]])
             if amax_compute_algo == "most_recent":
                 amax = last

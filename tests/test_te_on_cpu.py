@@ -1,0 +1,252 @@
+"""The CPU kernel shim under Transformer Engine's real Python (accel_fp8_fix.rehearsal.te_on_cpu).
+
+Kernels against references written from TE's CUDA sources (cast: ``cvt.rn.satfinite``; delayed
+scaling: ``common/recipe/delayed_scaling.cu``; current scaling: ``recipe_common.cuh``), then checks
+that need TE's Python loaded run in one fresh rank: FP8 state loading without the unsafe-pickle opt-in
+(A12), FP8 GEMM shapes (A11), and the CUDA-as-CPU answers staying inside TE's frames.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from accel_fp8_fix.rehearsal.te_on_cpu import tex
+from accel_fp8_fix.testing import run_distributed
+
+E4M3, E5M2 = tex.DType.kFloat8E4M3, tex.DType.kFloat8E5M2
+
+
+# -- reference FP8 formats, from the bit layout (not from torch) --------------------------------------------
+def _fp8_values(exp_bits: int, man_bits: int, bias: int, fn: bool):
+    """{bits: value} of every finite non-negative value of an FP8 format (``fn``: E4M3FN, no infinities)."""
+    values = {}
+    for e in range(2 ** exp_bits):
+        for m in range(2 ** man_bits):
+            if e == 2 ** exp_bits - 1 and (not fn or m == 2 ** man_bits - 1):
+                continue  # inf / NaN encodings
+            value = (m / 2 ** man_bits) * 2.0 ** (1 - bias) if e == 0 else (1 + m / 2 ** man_bits) * 2.0 ** (e - bias)
+            values[(e << man_bits) | m] = value
+    return values
+
+
+FORMATS = {E4M3: _fp8_values(4, 3, 7, True), E5M2: _fp8_values(5, 2, 15, False)}
+
+
+def _reference_cast(x: float, fmt) -> float:
+    """Round to nearest, ties to the even encoding, saturating to the largest finite value."""
+    grid = sorted(FORMATS[fmt].items(), key=lambda kv: kv[1])
+    top = grid[-1][1]
+    a = min(abs(x), top)
+    lower = max((kv for kv in grid if kv[1] <= a), key=lambda kv: kv[1])
+    upper = min((kv for kv in grid if kv[1] >= a), key=lambda kv: kv[1])
+    if a - lower[1] < upper[1] - a:
+        pick = lower
+    elif a - lower[1] > upper[1] - a:
+        pick = upper
+    else:
+        pick = lower if lower[0] % 2 == 0 else upper
+    return math.copysign(pick[1], x)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_cast_rounds_to_nearest_even_and_saturates(fmt):
+    grid = sorted(FORMATS[fmt].values())
+    midpoints = [(a + b) / 2 for a, b in zip(grid, grid[1:])]  # every tie
+    quarter = [a + (b - a) / 4 for a, b in zip(grid, grid[1:])] + [a + 3 * (b - a) / 4 for a, b in zip(grid, grid[1:])]
+    beyond = [grid[-1] * 1.01, grid[-1] * 1.5, 1e30, float("inf")]
+    xs = midpoints + quarter + beyond
+    xs = xs + [-v for v in xs]
+    got = tex.fp8_bits_to_float(tex.cast_to_fp8(torch.tensor(xs), torch.ones(1), fmt), fmt).tolist()
+    want = [_reference_cast(x, fmt) for x in xs]
+    assert got == want
+    assert max(got) == {E4M3: 448.0, E5M2: 57344.0}[fmt]  # satfinite: inf -> the largest finite value
+    nan = tex.fp8_bits_to_float(tex.cast_to_fp8(torch.tensor([float("nan")]), torch.ones(1), fmt), fmt)
+    assert torch.isnan(nan).all()
+
+
+def test_cast_applies_the_scale_before_rounding():
+    x = torch.tensor([0.1, 1.0, 3.0])
+    scale = torch.tensor([37.0])
+    got = tex.fp8_bits_to_float(tex.cast_to_fp8(x, scale, E4M3), E4M3).tolist()
+    assert got == [_reference_cast(float(v) * 37.0, E4M3) for v in torch.tensor([0.1, 1.0, 3.0]).float()]
+
+
+# -- delayed scaling: the fused update kernel -------------------------------------------------------------
+def _run_update(amaxes, length=4, algo="max", margin=0, fmt=E4M3, scale=1.0):
+    history = torch.zeros(length, 1)
+    scales = torch.full((1,), scale)
+    out = []
+    for amax in amaxes:
+        history[0, 0] = amax  # what the casts of the step accumulated
+        tex.fused_amax_and_scale_update_after_reduction(torch.zeros(1), [history], [scales], algo, fmt, margin)
+        out.append(float(scales[0]))
+    return out, history
+
+
+def test_zero_amax_steps_neither_roll_the_history_nor_change_the_scale():
+    # te-real-behaviour.md's example: history 4, amax 8, 0, 0, 0, 1 -> scale 56 at step 5 (an always-rolling
+    # update would have dropped the 8 and given 448 / 1 = 448)
+    scales, history = _run_update([8.0, 0.0, 0.0, 0.0, 1.0])
+    assert scales == [56.0] * 5
+    assert history[:, 0].tolist() == [0.0, 0.0, 8.0, 1.0]
+
+
+def test_update_most_recent_margin_nan_and_inf():
+    assert _run_update([8.0, 2.0], algo="most_recent")[0] == [56.0, 224.0]
+    assert _run_update([8.0], margin=1)[0] == [28.0]  # (448 / 2**margin) / amax
+    assert _run_update([float("nan")], scale=3.0)[0] == [3.0]  # NaN ignored by the max: amax 0, scale kept
+    assert _run_update([float("inf")], scale=3.0)[0] == [3.0]  # non-finite amax: scale kept
+    assert _run_update([1e-45])[0] == [torch.finfo(torch.float32).max]  # infinite scale -> FLT_MAX
+    assert _run_update([8.0], fmt=E5M2)[0] == [57344.0 / 8]
+
+
+def test_reduced_amax_takes_precedence_over_the_local_one():
+    history, scales = torch.zeros(4, 2), torch.ones(2)
+    history[0] = torch.tensor([1.0, 2.0])
+    tex.fused_amax_and_scale_update_after_reduction(torch.tensor([4.0, 0.0]), [history], [scales], "max", E4M3, 0)
+    assert scales.tolist() == [112.0, 224.0]  # slot 0 from the reduction buffer, slot 1 (buffer 0) local
+
+
+def test_current_scaling_scale_from_amax():
+    assert tex.scale_from_amax(2.0, 448.0, False, 0.0) == 224.0
+    assert tex.scale_from_amax(3.0, 448.0, True, 0.0) == 128.0  # 149.33 with its mantissa cleared
+    assert tex.scale_from_amax(0.0, 448.0, False, 0.0) == 1.0
+    assert tex.scale_from_amax(0.0, 448.0, False, 4.0) == 112.0  # amax floored at epsilon
+    assert tex.scale_from_amax(float("inf"), 448.0, False, 0.0) == 1.0
+
+
+def test_an_op_the_shim_lacks_says_so_by_name():
+    with pytest.raises(NotImplementedError, match="transformer_engine_torch.fused_rope_forward"):
+        tex.fused_rope_forward(torch.zeros(1))
+    with pytest.raises(NotImplementedError, match="MXFP8Quantizer"):
+        tex.quantize(torch.zeros(1), type("MXFP8Quantizer", (), {})())
+
+
+# -- with TE's Python loaded (one fresh rank) ----------------------------------------------------------------
+def _with_te(rank, world_size):
+    import io
+    import pickle
+
+    import torch
+
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    te_on_cpu.install()
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    from accel_fp8_fix.fixes.fp8_shapes import install_token_check
+    from accel_fp8_fix.fixes.fp8_state_loading import NonConformingExtraState, install_safe_loading
+
+    out = {"unsafe_env": os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE")}
+    torch.manual_seed(0)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=8)
+    trained = te.Linear(32, 32)
+    for _ in range(2):
+        with te.autocast(enabled=True, recipe=recipe):
+            trained(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    sd = trained.state_dict()
+    meta = trained.fp8_meta["scaling_fwd"]
+
+    def fresh(safe):
+        module = te.Linear(32, 32)
+        if safe:
+            install_safe_loading(module)
+        return module
+
+    try:  # A12 stock: TE >= 2.18 refuses its own delayed-scaling checkpoint
+        fresh(False).load_state_dict(sd)
+        out["stock"] = None
+    except RuntimeError as exc:
+        out["stock"] = str(exc)
+    loaded = fresh(True)
+    loaded.load_state_dict(sd)
+    lm = loaded.fp8_meta["scaling_fwd"]
+    out["loaded_equal"] = (torch.equal(lm.scale, meta.scale) and torch.equal(lm.amax_history, meta.amax_history)
+                           and loaded.fp8_meta["recipe"].amax_history_len == 8)
+
+    class Payload:  # what an attacker would put into _extra_state
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/accel_fp8_fix_pwned",))
+
+    evil = dict(sd)
+    evil["_extra_state"] = torch.frombuffer(bytearray(pickle.dumps({"recipe": Payload()})), dtype=torch.uint8)
+    try:
+        fresh(True).load_state_dict(evil)
+        out["evil"] = None
+    except NonConformingExtraState as exc:
+        out["evil"] = str(exc)
+    out["evil_ran"] = os.path.exists("/tmp/accel_fp8_fix_pwned")
+
+    # TE 1.x wrote io.BytesIO(torch.save({scale_fwd, scale_inv_fwd, amax_history_fwd, ...})) without a recipe
+    # (its recipe, DelayedScaling(), is implied: amax_history_len 1024)
+    def history_1024(h):
+        return torch.cat([h, torch.zeros(1024 - h.shape[0], h.shape[1])])
+
+    legacy = io.BytesIO()
+    torch.save({"scale_fwd": meta.scale.clone(), "scale_inv_fwd": 1 / meta.scale,
+                "amax_history_fwd": history_1024(meta.amax_history),
+                "scale_bwd": trained.fp8_meta["scaling_bwd"].scale.clone(), "scale_inv_bwd": torch.ones(2),
+                "amax_history_bwd": history_1024(trained.fp8_meta["scaling_bwd"].amax_history),
+                "extra_fp8_variables": {"num_gemms": 1}}, legacy)
+    old = fresh(True)
+    old.set_extra_state(legacy)
+    out["legacy_equal"] = (torch.equal(old.fp8_meta["scaling_fwd"].scale, meta.scale)
+                           and torch.equal(old.fp8_meta["scaling_fwd"].amax_history, history_1024(meta.amax_history))
+                           and type(old.fp8_meta["recipe"]).__name__ == "DelayedScaling")
+
+    # A11: four tokens on this rank
+    for checked in (False, True):
+        module = te.Linear(32, 32)
+        if checked:
+            install_token_check(module, "blocks.0.fc1")
+        try:
+            with te.autocast(enabled=True, recipe=recipe):
+                module(torch.randn(4, 32))
+            out[f"shape_{checked}"] = None
+        except ValueError as exc:
+            out[f"shape_{checked}"] = str(exc)
+    # CUDA-as-CPU answers only TE's frames
+    out["cuda_for_others"] = (torch.cuda.is_available(), torch.zeros(1).is_cuda)
+    from transformer_engine.pytorch.utils import get_device_compute_capability
+
+    out["te_capability"] = list(get_device_compute_capability())
+    return out
+
+
+@pytest.fixture(scope="module")
+def with_te():
+    (result,) = run_distributed(_with_te, 1, timeout=120)
+    return result
+
+
+def test_fp8_state_loads_without_the_unsafe_pickle_opt_in(with_te):
+    assert with_te["unsafe_env"] is None  # never set, by the test nor by the package
+    assert with_te["stock"].startswith("Refusing to load pickled Transformer Engine extra state for Linear")
+    assert with_te["loaded_equal"]
+
+
+def test_a_payload_te_never_writes_is_refused_with_tes_advisory_and_not_run(with_te):
+    assert with_te["evil"].startswith("Refusing to load pickled Transformer Engine extra state for Linear")
+    assert "refused global posix.system" in with_te["evil"]
+    assert not with_te["evil_ran"]
+
+
+def test_te_1x_bytesio_checkpoints_load(with_te):
+    assert with_te["legacy_equal"]
+
+
+def test_a_token_count_fp8_cannot_run_is_named_with_module_shape_and_remedy(with_te):
+    assert with_te["shape_False"].startswith("FP8 execution requires")  # TE's own, no module named
+    message = with_te["shape_True"]
+    assert message.startswith("accel_fp8_fix: blocks.0.fc1 (Linear) got an input of shape [4, 32]")
+    assert "pad_to_multiple_of=8" in message
+
+
+def test_cuda_as_cpu_answers_only_tes_frames(with_te):
+    assert list(with_te["cuda_for_others"]) == [False, False]  # accelerate / torch / user code still see a CPU
+    assert with_te["te_capability"] == [9, 0]  # TE sees a Hopper
