@@ -4,7 +4,8 @@ Transformer Engine FP8, through `accelerate launch` — and the script never imp
 Everything comes from the accelerate config file (examples/fsdp2_tp_fp8.yaml): FSDP2, the
 parallelism config, `mixed_precision: fp8` with the TE backend, and `fp8_config: {accel_fp8_fix: true}`,
 which switches this package on in every worker. scripts/demo.sh runs it on 4 CPU processes (gloo) with
-the Transformer Engine *emulation*; on GPUs with real TE the script is the same.
+Transformer Engine's real Python over a CPU kernel shim (the rehearsal); on GPUs with real TE the script
+is the same.
 """
 
 import logging
@@ -45,10 +46,13 @@ def main(steps):
     accelerator = Accelerator()
     mesh = accelerator.torch_device_mesh
     accelerator.print(f"mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}, distributed type {accelerator.distributed_type}")
-    import transformer_engine
+    import transformer_engine.pytorch  # noqa: F401
+    from importlib.metadata import version
 
-    if getattr(transformer_engine, "__emulated__", False):
-        accelerator.print("Transformer Engine: CPU emulation (FP8 numerics emulated; no GPU kernels, no speed-up)")
+    kernels = sys.modules["transformer_engine_torch"].__name__
+    if not kernels.startswith("transformer_engine"):  # the CPU rehearsal's kernel shim
+        accelerator.print(f"Transformer Engine {version('transformer-engine')}: its Python on CPU, kernels from {kernels} "
+                          "(FP8 numerics, no GPU speed)")
     model = shard_tensor_parallel(build_model(), mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
