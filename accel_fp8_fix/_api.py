@@ -6,7 +6,6 @@ import logging
 import os
 import sys
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ if TYPE_CHECKING:
     from .engine.engine import Engine
 
 logger = logging.getLogger("accel_fp8_fix")
+logger.addHandler(logging.NullHandler())  # a library: the application decides what is shown
 
 OFF_VALUES = ("0", "false", "no", "off")
 ON_VALUES = ("1", "true", "yes", "on")
@@ -119,10 +119,10 @@ def activate(strict: bool | None = None):
         if FIX_TRIGGER in sys.modules:
             _select_and_apply()
         elif not _state.hook_registered:
-            import wrapt
+            from .engine.import_hooks import when_imported
 
             _state.hook_registered = True
-            wrapt.register_post_import_hook(_on_accelerate_import, FIX_TRIGGER)
+            when_imported(FIX_TRIGGER, _on_accelerate_import)
         return report()
 
 
@@ -141,8 +141,9 @@ def _select_and_apply() -> None:
         message = f"accel_fp8_fix: nothing patched: {selection.reason}"
         if _state.strict:
             raise UnsupportedVersionError(message)
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        from ._log import warn_user
+
+        warn_user(message)
         return
     _state.engine = engine_for(selection.patch_set)
     _state.engine.activate(strict=_state.strict)

@@ -42,6 +42,8 @@ def shard_tensor_parallel(model, tp_mesh):
 def main(steps):
     # Keep the demo's output readable: torch's FSDP2 view-tensor and DTensor redistribution notices.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # torch, on accelerate's mesh slicing
+    logging.basicConfig(format="%(message)s", level=logging.WARNING)  # accel_fp8_fix speaks once, from rank 0
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     accelerator = Accelerator()
     mesh = accelerator.torch_device_mesh

@@ -12,5 +12,5 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 # The pins the suite is written against: accelerate 1.15, transformers 5.24, Transformer Engine 2.20.2's
 # Python (CPU rehearsal; its kernels come from accel_fp8_fix.rehearsal) with triton 3.9.
-python -m pip install --quiet -e ".[test,rehearsal]" "accelerate==1.15.0" "transformers==5.24.0" \
+python -m pip install --quiet -e ".[test,rehearsal-dev]" "accelerate==1.15.0" "transformers==5.24.0" \
     "transformer-engine==2.20.2" "triton==3.9.0"

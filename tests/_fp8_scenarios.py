@@ -1,4 +1,4 @@
-"""FSDP2 + TE FP8 scenarios (CPU, gloo, Transformer Engine's real Python on CPU) for tests/test_fsdp2_fp8.py.
+"""FSDP2 + TE FP8 scenarios (CPU, gloo, Transformer Engine's real Python on CPU) for tests/distributed/test_fsdp2_fp8.py.
 
 Each runs inside a rank of ``run_distributed`` (through ``_scenarios.launch``) and returns facts.
 """
@@ -184,7 +184,7 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
 
 
 def sc_te_version(rank, world_size):
-    """Which Transformer Engine Python this rank imported (tests/test_te_versions.py shadows the venv's)."""
+    """Which Transformer Engine Python this rank imported (tests/network/test_te_versions.py shadows the venv's)."""
     from importlib.metadata import version
 
     import transformer_engine
@@ -195,7 +195,9 @@ def sc_te_version(rank, world_size):
 
 
 def sc_no_convertible_layer(rank, world_size):
-    """Bad input: nothing TE can take -> a warning naming the layers, FP8 off, training still works."""
+    """Bad input: nothing TE can take -> the kept layers logged, a warning that FP8 is off at the user's
+    prepare() line (rank 0 only: one voice), training still works."""
+    import logging
     import warnings
 
     import torch
@@ -204,14 +206,21 @@ def sc_no_convertible_layer(rank, world_size):
     acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE)
     model = torch.nn.Sequential(torch.nn.Linear(10, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("accel_fp8_fix").addHandler(handler)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, opt = acc.prepare(model, opt)
+    logging.getLogger("accel_fp8_fix").removeHandler(handler)
     loss = model(torch.randn(4, 10)).sum()
     acc.backward(loss)
     opt.step()
     return {
         "warnings": [str(w.message) for w in caught if "accel_fp8_fix" in str(w.message)],
+        "warning_files": [os.path.basename(w.filename) for w in caught if "accel_fp8_fix" in str(w.message)],
+        "logged": [m for m in logged if "kept" in m],
         "fp8_enabled": acc.accel_fp8_fix.fp8_enabled,
         "loss_finite": bool(torch.isfinite(loss)),
         "types": [type(m).__name__ for m in model.modules()][1:],

@@ -1,4 +1,4 @@
-"""TP and FSDP2 x TP + TE FP8 scenarios (CPU, gloo, Transformer Engine's real Python on CPU) for tests/test_tp_fp8.py.
+"""TP and FSDP2 x TP + TE FP8 scenarios (CPU, gloo, Transformer Engine's real Python on CPU) for tests/distributed/test_tp_fp8.py.
 
 A tiny transformers Llama is sharded with transformers 5.x TP (``_scenarios.shard_llama_tp``), prepared by
 the patched accelerate with ``mixed_precision="fp8"``, and trained; facts come back to the test.

@@ -1,8 +1,8 @@
-"""Helpers for tests/test_accelerate_versions.py: real accelerate releases of a patch set's window.
+"""Helpers for tests/network/test_accelerate_versions.py: real accelerate releases of a patch set's window.
 
 * :func:`install` puts ``accelerate==<version>`` (``pip install --no-deps --target``) into a cache directory
   (``$ACCEL_FP8_FIX_TEST_CACHE`` or ``~/.cache/accel_fp8_fix``, ``accelerate-<version>``), which shadows the
-  venv's accelerate through ``PYTHONPATH`` (like ``old_accelerate`` in tests/test_activation.py).
+  venv's accelerate through ``PYTHONPATH`` (like ``old_accelerate`` in tests/distributed/test_activation.py).
 * ``python tests/_versions.py probe`` (run with ``PYTHONPATH=<that dir>``) prints, as JSON, what the patch
   engine made of that accelerate: the report of the fix set, the rehearsal gates, and every declared target's
   signature next to the one found.

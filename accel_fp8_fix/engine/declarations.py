@@ -13,8 +13,15 @@ One file declares one patch set, pinned to one version window::
     target = "accelerate.accelerator:Accelerator.prepare"   # module:attribute.path
     wrapper = "accel_fp8_fix.fixes.prepare:prepare"          # a wrapt wrapper (wrapped, instance, args, kwargs)
     signature = "(self, *args, device_placement=None)"      # optional: refuse to patch if it changed
-    fixes = ["A2"]
+    upstream_sha256 = ["af2db72a4518597e"]                  # the wrapper re-implements this body: refuse
+                                                            # the set if the upstream source changed
+    fixes = ["A2"]                                          # labels of docs/failures.md
     why = "..."
+    [[watch]]                                  # an upstream function this set mirrors without patching it
+    target = "accelerate.utils.transformer_engine:apply_fp8_autowrap"
+    upstream_sha256 = ["8fea42c5efb07129"]
+    why = "..."
+    internals = ["torch_fsdp2"]                # private internals used (accel_fp8_fix/internals/), checked at apply
 
 Selection rule: among the sets of a kind, the one whose windows all contain the installed versions.
 Windows of one kind must not overlap: if several sets match, that is a declaration error, reported
@@ -54,6 +61,7 @@ class PatchSpec:
     signature: str | None = None
     fixes: tuple[str, ...] = ()
     why: str = ""
+    upstream_sha256: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -74,6 +82,8 @@ class PatchSet:
     summary: str = ""
     trigger: str = ""
     source: str = ""
+    watches: tuple[PatchSpec, ...] = ()  # mirrored upstream functions (wrapper unused)
+    internals: tuple[str, ...] = ()
 
     def window(self) -> str:
         parts = [f"{name} {spec}" for name, spec in {**self.requires, **self.compatible}.items()]
@@ -128,6 +138,7 @@ def parse_patch_set(data: dict, source: str = "<memory>") -> PatchSet:
                 signature=entry.get("signature"),
                 fixes=tuple(entry.get("fixes", ())),
                 why=entry.get("why", ""),
+                upstream_sha256=tuple(entry.get("upstream_sha256", ())),
             )
         except KeyError as exc:
             raise DeclarationError(f"{source}: patch #{i + 1} lacks {exc}") from None
@@ -140,6 +151,12 @@ def parse_patch_set(data: dict, source: str = "<memory>") -> PatchSet:
     targets = [p.target for p in patches]
     if len(set(targets)) != len(targets):
         raise DeclarationError(f"{source}: a target is patched twice in {name!r}")
+    watches = []
+    for i, entry in enumerate(data.get("watch", [])):
+        if "target" not in entry or not entry.get("upstream_sha256"):
+            raise DeclarationError(f"{source}: watch #{i + 1} needs a target and upstream_sha256")
+        watches.append(PatchSpec(target=entry["target"], wrapper="", why=entry.get("why", ""),
+                                 upstream_sha256=tuple(entry["upstream_sha256"])))
     return PatchSet(
         name=name,
         kind=kind,
@@ -149,6 +166,8 @@ def parse_patch_set(data: dict, source: str = "<memory>") -> PatchSet:
         summary=data.get("summary", ""),
         trigger=data.get("trigger") or patches[0].module.split(".")[0],
         source=source,
+        watches=tuple(watches),
+        internals=tuple(data.get("internals", ())),
     )
 
 

@@ -12,13 +12,14 @@ import importlib
 import inspect
 import logging
 import threading
-import warnings
 from dataclasses import dataclass
 
 import wrapt
 
+from .._log import warn_user
 from .declarations import PatchSet, PatchSpec
 from .errors import PatchError
+from .import_hooks import when_imported
 
 logger = logging.getLogger("accel_fp8_fix")
 
@@ -75,6 +76,28 @@ def resolve_wrapper(ref: str):
     return obj
 
 
+def source_sha256(original) -> str:
+    """First 16 hex digits of the sha256 of the function's source (what a re-implementation was written against)."""
+    import hashlib
+
+    func = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+    return hashlib.sha256(inspect.getsource(func).encode()).hexdigest()[:16]
+
+
+def _check_upstream(spec: PatchSpec, original) -> None:
+    if not spec.upstream_sha256:
+        return
+    try:
+        found = source_sha256(original)
+    except (OSError, TypeError):
+        found = "unreadable"
+    if found not in spec.upstream_sha256:
+        raise PatchError(
+            f"{spec.target} changed upstream (source sha256 {found}, written against "
+            f"{', '.join(spec.upstream_sha256)}): this patch set re-implements or mirrors it and refuses to apply"
+        )
+
+
 def _signature_of(original) -> str:
     func = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
     return str(inspect.signature(func))
@@ -93,7 +116,7 @@ class Engine:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def activate(self, strict: bool = False) -> None:
-        """Apply now if the trigger module is imported, else when it is (wrapt post-import hook)."""
+        """Apply now if the trigger module is imported, else when it is (post-import hook)."""
         with self._lock:
             if self.active:
                 return
@@ -102,7 +125,7 @@ class Engine:
             self._strict = strict
             if not self._hook_registered:
                 self._hook_registered = True
-                wrapt.register_post_import_hook(self._on_import, self.patch_set.trigger)
+                when_imported(self.patch_set.trigger, self._on_import)
             else:
                 import sys
 
@@ -110,7 +133,7 @@ class Engine:
                     self._on_import(sys.modules[self.patch_set.trigger])
 
     def _on_import(self, _module) -> None:
-        # wrapt keeps hooks forever; an inactive engine ignores them.
+        # a hook fires once, even after deactivate(); an inactive engine ignores it.
         with self._lock:
             if not self.active or self.applied:
                 return
@@ -119,8 +142,7 @@ class Engine:
             except PatchError as exc:
                 if self._strict:
                     raise
-                logger.warning("%s", exc)
-                warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+                warn_user(str(exc))
 
     @property
     def applied(self) -> bool:
@@ -131,6 +153,7 @@ class Engine:
         with self._lock:
             if self.applied:
                 return
+            self._check_set_level()
             prepared = []
             for state in self.states:
                 if state.status == "disabled-in-place":
@@ -145,6 +168,7 @@ class Engine:
                         found = _signature_of(original)
                         if found != state.spec.signature:
                             raise TypeError(f"signature changed: expected {state.spec.signature}, found {found}")
+                    _check_upstream(state.spec, original)
                     wrapper = resolve_wrapper(state.spec.wrapper)
                 except Exception as exc:  # noqa: BLE001 - every failure means "do not patch"
                     state.status, state.detail = "failed", f"{type(exc).__name__}: {exc}"
@@ -177,6 +201,30 @@ class Engine:
                 state.status, state.detail = "applied", ""
             logger.debug("patch set %s applied (%d patches)", self.patch_set.name, len(done))
 
+    def _check_set_level(self) -> None:
+        """The private internals the set relies on, and the upstream functions it mirrors: all present and
+        unchanged, or nothing is applied (the error names the internal / function and the versions)."""
+        problems = []
+        if self.patch_set.internals:
+            from .. import internals
+
+            problems += internals.check(self.patch_set.internals)
+        for spec in self.patch_set.watches:
+            try:
+                _check_upstream(spec, resolve_target(spec)[2])
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"{spec.target}: {exc}")
+        if problems:
+            from .versions import installed_versions
+
+            versions = ", ".join(f"{k} {v}" for k, v in installed_versions(("accelerate", "torch", "transformers")).items())
+            self.error = (f"accel_fp8_fix: patch set {self.patch_set.name!r} not applied (accelerate left untouched; "
+                          f"{versions}): " + "; ".join(problems))
+            for state in self.states:
+                if state.status == "pending":
+                    state.detail = "not applied: the set's internals check failed"
+            raise PatchError(self.error)
+
     def deactivate(self) -> list[str]:
         """Undo every patch; return warnings about foreign wrappers found on top of ours."""
         warnings_out = []
@@ -199,8 +247,7 @@ class Engine:
                         "is kept and ours now passes calls straight through"
                     )
                     warnings_out.append(state.detail)
-                    logger.warning("accel_fp8_fix: %s", state.detail)
-                    warnings.warn(f"accel_fp8_fix: {state.detail}", RuntimeWarning, stacklevel=3)
+                    warn_user(f"accel_fp8_fix: {state.detail}")
             for state in self.states:
                 if state.status == "restored":
                     state.status, state.wrapper, state.owner, state.original = "pending", None, None, None

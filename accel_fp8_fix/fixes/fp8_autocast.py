@@ -8,6 +8,8 @@ from __future__ import annotations
 import inspect
 from types import MethodType
 
+from ..internals.accelerate_te import unwrap_accelerate_autocast
+
 
 def te_autocast(te):
     """A function ``(enabled, recipe, group) -> context manager`` for the installed TE's autocast API."""
@@ -18,7 +20,8 @@ def te_autocast(te):
 
 
 def build_recipe(handler):
-    """(recipe, use_autocast_during_eval) from accelerate's TE recipe kwargs, as ``apply_fp8_autowrap`` builds it."""
+    """(recipe, use_autocast_during_eval) from accelerate's TE recipe kwargs, as ``apply_fp8_autowrap`` builds it
+    (mirrored, with its source hash watched in patches/*.toml), including its MXFP8 availability check."""
     import transformer_engine.common.recipe as te_recipe
 
     kwargs = handler.to_kwargs() if handler is not None else {}
@@ -27,9 +30,14 @@ def build_recipe(handler):
         kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
     use_during_eval = kwargs.pop("use_autocast_during_eval", False)
     if kwargs.pop("use_mxfp8_block_scaling", False):
+        from transformer_engine.pytorch.fp8 import check_mxfp8_support
+
+        available, message = check_mxfp8_support()
+        if not available:
+            raise ValueError(f"MXFP8 block scaling is not available: {message}")
         for unsupported in ("amax_compute_algo", "amax_history_len"):
             if unsupported in kwargs:
-                raise ValueError(f"accel_fp8_fix: `{unsupported}` is not supported for MXFP8 block scaling")
+                raise ValueError(f"`{unsupported}` is not supported for MXFP8 block scaling.")
         return te_recipe.MXFP8BlockScaling(**kwargs), use_during_eval
     return te_recipe.DelayedScaling(**kwargs), use_during_eval
 
@@ -42,8 +50,9 @@ def wrap_forward(model, te, recipe, group, use_during_eval: bool) -> None:
     func = getattr(target, "__func__", target)
     if getattr(func, "_accel_fp8_fix_autocast", False):
         return
-    if "contextual_fp8_autocast" in getattr(func, "__qualname__", "") and hasattr(func, "__wrapped__"):
-        target = func.__wrapped__
+    unwrapped = unwrap_accelerate_autocast(func)
+    if unwrapped is not func:
+        target = unwrapped
     bound = hasattr(target, "__self__")
 
     def fp8_forward(self, *args, **kwargs):

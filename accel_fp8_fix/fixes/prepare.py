@@ -10,12 +10,12 @@ forward in TE autocast with the mesh's amax reduction group.
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from .._api import active_patch_set
+from .._log import say, warn_user
 from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
 from .activation_checkpointing import route_checkpointing_through_te
@@ -24,7 +24,7 @@ from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_state_loading import install_safe_loading
 from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
 
-logger = logging.getLogger("accel_fp8_fix")
+logger = logging.getLogger(__name__)
 
 DEFER_FLAG = "_accel_fp8_fix_defer_te"
 GEMMS_PER_MODULE = {"LayerNormMLP": 2}  # TE's num_gemms per forward; 1 for Linear / LayerNormLinear
@@ -130,8 +130,7 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
             "accel_fp8_fix: no layer of the model could be converted to Transformer Engine "
             f"({len(conversion.skipped)} skipped); FP8 stays OFF and the model trains in high precision"
         )
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warn_user(message)  # FP8 was asked for and is off: the user must know, at their prepare() line
         return setup
     recipe, use_during_eval = build_recipe(accelerator.te_recipe_handler or accelerator.fp8_recipe_handler)
     setup.recipe = recipe
@@ -147,12 +146,12 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     wrap_forward(model, te, recipe, group, use_during_eval)
     setup.checkpointing_routed, custom = route_checkpointing_through_te(model)
     if custom:
-        logger.warning("accel_fp8_fix: %d layer(s) use a custom activation-checkpoint function, left as is; its "
-                       "recompute must run under TE's FP8 autocast: %s", len(custom), ", ".join(custom))
+        say(logger, logging.WARNING,
+            f"accel_fp8_fix: {len(custom)} layer(s) use a custom activation-checkpoint function, left as is; its "
+            f"recompute must run under TE's FP8 autocast: {', '.join(custom)}")
     setup.fp8_enabled = True
-    logger.info(
-        "accel_fp8_fix: %d module(s) converted to Transformer Engine after sharding, %d kept; amax group %s",
-        len(conversion.converted), len(conversion.skipped), list(ranks),
-    )
+    say(logger, logging.INFO,
+        f"accel_fp8_fix: {len(conversion.converted)} module(s) converted to Transformer Engine after sharding, "
+        f"{len(conversion.skipped)} kept; amax group {list(ranks)}")
     return setup
 

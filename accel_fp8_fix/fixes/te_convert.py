@@ -13,16 +13,17 @@ gradients back to the DTensor parameters). A Linear TE cannot take (a dim not di
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .._log import say
 from ..distributed.collectives import is_dtensor
+from ..internals import torch_fsdp2, transformers_tp
 from .fp8_shapes import install_token_check, local_dims, local_dims_fit
 
-logger = logging.getLogger("accel_fp8_fix")
+logger = logging.getLogger(__name__)
 
 TP_ATTR = "_accel_fp8_fix_tp"  # (parallel_mode, tp_mesh) recorded before FSDP2 wraps the parameters
 
@@ -60,61 +61,28 @@ def record_tp_layout(model: nn.Module) -> dict:
     return layout
 
 
-def transformers_tp_style(module: nn.Module):
-    """The transformers TP style object captured by the instance ``forward`` it installed, or None."""
-    forward = module.__dict__.get("forward")
-    for cell in getattr(forward, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if hasattr(value, "transform_inputs_pre_forward") and hasattr(value, "install_forward"):
-            return value
-    return None
-
-
 def _te_tp_mismatch(module: nn.Module, mode) -> str | None:
     """Why TE's own TP cannot reproduce the layout transformers gave this Linear (None when it can).
 
     TE column mode takes the full input and returns the local output shard; row mode takes the local
     input shard and returns the all-reduced output. Styles that gather the output (lm_head's
-    ``colwise_gather_output``) or use other layouts keep their transformers wrapper.
+    ``colwise_gather_output``) or use other layouts keep their transformers wrapper; so does a style this
+    package does not know (fail closed).
     """
-    style = transformers_tp_style(module)
+    style = transformers_tp.tp_style(module)
     if style is None or mode is None:
         return None
+    layouts = transformers_tp.style_layouts(style)
+    if layouts is None:
+        return f"its TP style {type(style).__name__} is not one this package knows ({', '.join(transformers_tp.KNOWN_STYLES)})"
     from torch.distributed.tensor import Replicate, Shard
 
-    inp, out = getattr(style, "input_layouts", None), getattr(style, "output_layouts", None)
-    local = getattr(style, "use_local_output", True)
+    inp, out, local = layouts
     want = {"column": (Replicate(), Shard(-1)), "row": (Shard(-1), Replicate())}[mode]
     if (inp, out) == want and local:
         return None
     return (f"its TP style {type(style).__name__}(input {inp}, output {out}, local output {local}) has no "
             f"Transformer Engine {mode}-parallel equivalent")
-
-
-def _fsdp_params(model: nn.Module):
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return []
-    params = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                params.extend(group.fsdp_params)
-    return params
-
-
-def _retarget_fsdp(fsdp_params, old: nn.Module, new: nn.Module) -> None:
-    """FSDP2 re-registers (un)sharded params with setattr on the recorded module: record the new one."""
-    for fsdp_param in fsdp_params:
-        info = fsdp_param._module_info
-        if info.module is old:
-            info.module = new
-        info.shared_modules = [new if m is old else m for m in info.shared_modules]
 
 
 def _take_over_parameters(old: nn.Module, new: nn.Module, names) -> None:
@@ -189,7 +157,7 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
     except ImportError:  # pragma: no cover
         FSDPModule = ()
     report = ConversionReport()
-    fsdp_params = _fsdp_params(model)
+    fsdp_params = torch_fsdp2.fsdp_params(model)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
@@ -228,7 +196,7 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
             with torch.no_grad():
                 _take_over_parameters(child, new, names)
             new.train(child.training)
-            _retarget_fsdp(fsdp_params, child, new)
+            torch_fsdp2.retarget(fsdp_params, child, new)
             tp_mesh = getattr(child, TP_ATTR, (None, None))[1]
             if tp_mesh is not None:
                 install_local_shards(new, names, tp_mesh)
@@ -236,9 +204,8 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
             report.converted.append(name)
     if report.skipped:
         detail = "; ".join(f"{n}: {why}" for n, why in report.skipped)
-        message = f"accel_fp8_fix: kept {len(report.skipped)} module(s) in high precision, not Transformer Engine: {detail}"
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        say(logger, logging.WARNING,
+            f"accel_fp8_fix: kept {len(report.skipped)} module(s) in high precision, not Transformer Engine: {detail}")
     report.te_modules = [m for m in model.modules() if hasattr(m, "fp8_meta") and hasattr(m, "init_fp8_metadata")]
     return report
 

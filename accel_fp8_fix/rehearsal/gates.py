@@ -45,6 +45,8 @@ import threading
 
 __all__ = ["activate", "deactivate", "is_active", "is_applied", "last_decision", "accelerator_state_init", "prepare_backend"]
 
+from .._log import say
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.RLock()
@@ -81,7 +83,7 @@ def deactivate() -> list:
             return []
         messages = _engine.deactivate()
         for message in messages:
-            logger.warning("accel_fp8_fix rehearsal: %s", message)
+            say(logger, logging.WARNING, f"accel_fp8_fix rehearsal: {message}")
         return messages
 
 
@@ -209,12 +211,8 @@ def prepare_backend(wrapped, instance, args, kwargs):
     instance.device = torch.device("cpu")  # set_device() returns early: no CUDA lookup
     _last_decision.clear()
     _last_decision.update(acted=True, reason=reason, stock=f"{backend}/{distributed_type}")
-    logger.warning(
-        "accel_fp8_fix rehearsal: no CUDA device; %s requested -> running accelerate's GPU code path on CPU "
-        "(backend gloo, device cpu, distributed type MULTI_GPU, FSDP with an FSDP plugin; stock would have "
-        "chosen %s/%s)",
-        reason,
-        backend,
-        distributed_type,
-    )
+    say(logger, logging.WARNING,
+        f"accel_fp8_fix rehearsal: no CUDA device; {reason} requested -> running accelerate's GPU code path on "
+        "CPU (backend gloo, device cpu, distributed type MULTI_GPU, FSDP with an FSDP plugin; stock would have "
+        f"chosen {backend}/{distributed_type})")
     return "gloo", DistributedType.MULTI_GPU

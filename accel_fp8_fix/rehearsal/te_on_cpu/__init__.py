@@ -127,6 +127,9 @@ def install() -> None:
     from . import cuda_as_cpu, tex
 
     cuda_as_cpu.install()
+    # TE warns (per TP module, per rank) unless this is set for its TP/SP comm overlap; a CPU has no
+    # CUDA connections to limit, so the rehearsal answers it as a tuned GPU job would.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     sys.modules["transformer_engine_torch"] = tex
     _observe_amax_reductions()
     finder = _CommonLoaderHook()

@@ -8,7 +8,7 @@ through ``PYTHONPATH``, in a fresh interpreter and in every worker of two 2-rank
 
 * static: the fix set is chosen for that version, every target of both sets exists with exactly the declared
   signature and is applied, and the rehearsal gates apply (``ACCEL_FP8_FIX_EMULATE_TE=1``);
-* fixes on (``ENV_FIXED``): FSDP2 + TE FP8 training with the facts of tests/test_fsdp2_fp8.py, a checkpoint
+* fixes on (``ENV_FIXED``): FSDP2 + TE FP8 training with the facts of tests/distributed/test_fsdp2_fp8.py, a checkpoint
   round trip (``save_state`` / ``load_state``) and ``cpu_ram_efficient_loading`` with TE modules;
 * fixes off (``ENV_REHEARSAL``): the stock A2 failure (zero FP8 GEMMs) and the stock A5 crash, so the fix is
   what changes the result on that version too.

@@ -1,4 +1,4 @@
-"""The stock failures of tests/test_stock_failures.py, re-run with the patch set active (ENV_FIXED):
+"""The stock failures of tests/distributed/test_stock_failures.py, re-run with the patch set active (ENV_FIXED):
 the same scenarios, the same launches' plans, the assertions flipped."""
 
 from __future__ import annotations

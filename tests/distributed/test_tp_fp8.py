@@ -2,7 +2,7 @@
 
 A tiny transformers Llama is TP-sharded the way transformers 5.x shards it; Linears become TE modules
 configured for TE's own TP on the same DTensor Parameter objects. Stock behaviour (A1 mixed-type crash,
-A10 ImportError) is asserted in tests/test_stock_failures.py.
+A10 ImportError) is asserted in tests/distributed/test_stock_failures.py.
 """
 
 import pytest

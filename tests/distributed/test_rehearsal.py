@@ -19,7 +19,7 @@ import pytest
 
 import _scenarios as S
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # tests/: the helper modules
 REPO = HERE.parent
 
 

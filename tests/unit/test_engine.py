@@ -253,3 +253,51 @@ def test_inactive_engine_ignores_its_import_hook(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.deactivate()  # undo of nothing is fine
+
+
+# -- internals fenced, upstream sources pinned (real accelerate / torch, in a fresh interpreter) ----------
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+_PROBE = """
+import json, sys
+{tamper}
+import accel_fp8_fix, accelerate, accelerate.accelerator as A
+from accel_fp8_fix.engine import FixWrapper
+r = accel_fp8_fix.report()
+print(json.dumps({{"patch_set": accel_fp8_fix.active_patch_set(), "error": r.error,
+                  "prepare_wrapped": isinstance(vars(A.Accelerator)["prepare"], FixWrapper)}}))
+"""
+
+
+def _probe(tamper: str) -> dict:
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_FP8"))}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _PROBE.format(tamper=tamper)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_untampered_internals_let_the_set_apply():
+    got = _probe("")
+    assert got["patch_set"] == "accelerate-1.13-1.15" and got["error"] == "" and got["prepare_wrapped"]
+
+
+def test_a_renamed_private_internal_refuses_the_whole_set_naming_it_and_the_version():
+    from accel_fp8_fix.engine import installed_version
+
+    got = _probe("from torch.distributed.fsdp import FSDPModule; del FSDPModule._get_fsdp_state")
+    assert got["patch_set"] is None and not got["prepare_wrapped"]  # accelerate untouched
+    assert "FSDPModule._get_fsdp_state is gone" in got["error"]
+    assert f"torch {installed_version('torch')}" in got["error"]
+
+
+def test_a_changed_upstream_body_that_the_set_mirrors_refuses_it_naming_the_function():
+    # another body under the same name (a release that rewrote it)
+    tamper = "import accelerate.utils.transformer_engine as t; t.apply_fp8_autowrap = t.convert_model"
+    got = _probe(tamper)
+    assert got["patch_set"] is None and not got["prepare_wrapped"]
+    assert "accelerate.utils.transformer_engine:apply_fp8_autowrap changed upstream" in got["error"]

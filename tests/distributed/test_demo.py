@@ -7,7 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_"))}
 
 
@@ -39,6 +39,11 @@ def test_demo_trains_fsdp2_x_tp_in_fp8_with_the_config_flag_only():
     assert "patch set: accelerate-1.13-1.15  (activated by: accelerate config" in out
     assert "TE modules: 14 converted after sharding (14 with TE-native TP), kept: ['lm_head']" in out
     assert "amax group ranks [0, 1, 2, 3]" in out
+    # one voice: every package message once for the job (4 ranks), not once per rank or twice per message
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("accel_fp8_fix")]
+    assert any(line.startswith("accel_fp8_fix: kept 1 module(s)") for line in said)
+    assert len(said) == len(set(said)), said
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in proc.stderr
 
 
 def test_demo_with_the_patches_off_shows_the_stock_failure():
