@@ -5,6 +5,8 @@ accelerate is imported, before or after this import). ``ACCEL_FP8_FIX=0`` turns 
 This import never imports torch or accelerate.
 """
 
+import sys as _sys
+
 from ._api import (
     PatchError,
     Report,
@@ -19,5 +21,27 @@ from ._api import (
 __version__ = "0.1.0"
 __all__ = ["activate", "deactivate", "report", "Report", "UnsupportedVersionError", "PatchError", "__version__"]
 
-if env_flag("ACCEL_FP8_FIX") is not False:
+# Submodules imported before this package object existed (see _bootstrap: a rehearsal-only start-up
+# hands the package back to the user's own import) stay reachable as attributes.
+for _name, _module in list(_sys.modules.items()):
+    if _name.startswith(__name__ + ".") and _name.count(".") == 1 and _module is not None:
+        globals().setdefault(_name.rpartition(".")[2], _module)
+
+
+def _by_startup_hook_for_the_rehearsal_only() -> bool:
+    """This import is the ``.pth`` start-up hook's (``site.addpackage``) and the rehearsal flag is the only
+    switch set: the rehearsal must change where TE comes from and nothing else, so no activation here."""
+    if env_flag("ACCEL_FP8_FIX") or env_flag("ACCELERATE_FP8_ACCEL_FP8_FIX"):
+        return False
+    site = _sys.modules.get("site")
+    site_py = getattr(site, "__file__", None) or "site.py"  # "<frozen site>" since Python 3.11
+    frame = _sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "addpackage" and frame.f_code.co_filename in ("<frozen site>", site_py):
+            return True
+        frame = frame.f_back
+    return False
+
+
+if env_flag("ACCEL_FP8_FIX") is not False and not _by_startup_hook_for_the_rehearsal_only():
     activate()

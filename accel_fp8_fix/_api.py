@@ -161,6 +161,11 @@ def deactivate():
         return report()
 
 
+def activation_requested() -> bool:
+    """activate() was called in this process (and not undone)."""
+    return _state.requested
+
+
 def active_patch_set() -> str | None:
     """Name of the applied fix set, or None (used by the rank-agreement check)."""
     engine = _state.engine

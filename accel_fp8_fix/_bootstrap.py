@@ -1,19 +1,25 @@
 """Imported at interpreter start-up by the ``accel_fp8_fix.pth`` trampoline, only when one of
 ``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX`` (the accelerate config flag) or
-``ACCEL_FP8_FIX_EMULATE_TE`` is set. Importing the package activates the fixes (unless ACCEL_FP8_FIX=0);
-the rehearsal flag also puts Transformer Engine's real Python on CPU and opens accelerate's CPU gates
-(``accel_fp8_fix.rehearsal``, the separate ``accel-fp8-fix-rehearsal`` distribution)."""
+``ACCEL_FP8_FIX_EMULATE_TE`` is set.
+
+The first two activate the fixes (importing the package does). The rehearsal flag puts Transformer
+Engine's real Python on CPU and opens accelerate's CPU gates (``accel_fp8_fix.rehearsal``, the separate
+``accel-fp8-fix-rehearsal`` distribution) and changes nothing else: with it alone, the fixes stay off
+unless the script itself does ``import accel_fp8_fix`` — the same three ways in as on a GPU. For that
+import to run the package's ``__init__`` (and activate), the package object is handed back: removed from
+``sys.modules`` once the rehearsal is installed (its submodules stay loaded and are reused).
+"""
 
 import sys
 
-import accel_fp8_fix  # noqa: F401  (activates, unless ACCEL_FP8_FIX=0)
+import accel_fp8_fix
 from accel_fp8_fix._api import env_flag
 
 if env_flag("ACCEL_FP8_FIX_EMULATE_TE"):
     try:
         from accel_fp8_fix import rehearsal
     except ImportError as exc:
-        state = "fixes active" if accel_fp8_fix.active_patch_set() is not None or env_flag("ACCEL_FP8_FIX") is not False else "fixes off"
+        state = "fixes active" if accel_fp8_fix._api.activation_requested() else "fixes off"
         sys.stderr.write(
             f"accel_fp8_fix: ACCEL_FP8_FIX_EMULATE_TE is set but the CPU rehearsal is not installed ({exc}); "
             f"pip install accel-fp8-fix-rehearsal ({state})\n"
@@ -23,3 +29,9 @@ if env_flag("ACCEL_FP8_FIX_EMULATE_TE"):
             rehearsal.install()
         except Exception as exc:  # noqa: BLE001  (the .pth would misreport the fixes as not activated)
             sys.stderr.write(f"accel_fp8_fix: CPU rehearsal not installed: {type(exc).__name__}: {exc}\n")
+
+HAND_BACK = bool(env_flag("ACCEL_FP8_FIX_EMULATE_TE")) and not accel_fp8_fix._api.activation_requested()
+if HAND_BACK:  # rehearsal only: what the gates use at accelerate's import, loaded now
+    import accel_fp8_fix.engine.declarations  # noqa: F401
+    import accel_fp8_fix.engine.engine  # noqa: F401
+    import accel_fp8_fix.engine.versions  # noqa: F401

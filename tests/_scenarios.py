@@ -818,6 +818,9 @@ def _launched_main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=1)
     args = parser.parse_args(argv)
+    import logging
+
+    logging.basicConfig(format="%(message)s", level=logging.WARNING)  # show the package's messages (rank 0)
     torch = _torch()
     from accelerate import Accelerator
     from accel_fp8_fix.rehearsal import gates as rehearsal

@@ -280,3 +280,34 @@ def test_deactivate_before_accelerate_is_imported_means_nothing_is_patched():
         """
     )
     assert out.stdout.split() == ["function", "False", "FixWrapper", "True"]
+
+
+def test_rehearsal_flag_alone_changes_where_te_comes_from_and_nothing_else(tmp_path):
+    """ACCEL_FP8_FIX_EMULATE_TE=1 + accelerate launch with a config *without* the flag: no worker's accelerate
+    is patched at start-up (the rehearsal is installed), and the script's own `import accel_fp8_fix` is
+    still a way in, exactly as on a GPU."""
+    config = tmp_path / "config.yaml"
+    config.write_text(textwrap.dedent("""
+        compute_environment: LOCAL_MACHINE
+        distributed_type: MULTI_GPU
+        use_cpu: true
+        num_machines: 1
+        num_processes: 2
+        machine_rank: 0
+        main_training_function: main
+        mixed_precision: fp8
+        fp8_config:
+          backend: TE
+        """))
+    env = {**CLEAN_ENV, "ACCEL_FP8_FIX_EMULATE_TE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config),
+         "--main_process_port", "0", str(HERE / "_activation_probe.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for worker in _read_ranks(tmp_path, 2):
+        assert worker["flag_env"] is None
+        assert worker["prepare_type"] == "function" and not worker["imported_by_startup"]  # not patched
+        assert worker["te_kernels"] == "accel_fp8_fix.rehearsal.te_on_cpu.tex"  # the rehearsal is on
+        assert worker["mode"] == "import accel_fp8_fix" and worker["prepare_type_after_import"] == "FixWrapper"

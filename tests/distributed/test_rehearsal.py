@@ -329,12 +329,12 @@ def _accelerate_launch(tmp_path, distributed_type, extra=""):
 def test_accelerate_launch_fsdp_config_on_cpu(tmp_path):
     """`accelerate launch` with `distributed_type: FSDP` + `use_cpu: true` (+ a parallelism_config section)
     starts 2 CPU workers via torchrun; with ACCEL_FP8_FIX_EMULATE_TE=1 (.pth bootstrap in launcher and
-    workers) both run FSDP2 on the dp_shard mesh with the TE emulation."""
+    workers) both run FSDP2 on the dp_shard mesh with TE's real Python on CPU."""
     extra = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
     proc, seen = _accelerate_launch(tmp_path, "FSDP", extra)
     assert len(seen) == 2, seen
     line = "accel_fp8_fix rehearsal: no CUDA device; FSDP2 plugin + ParallelismConfig(dp_shard_size=2) requested"
-    assert proc.stderr.count(line) == 2, proc.stderr[-3000:]
+    assert proc.stderr.count(line) == 1, proc.stderr[-3000:]  # one voice: rank 0 says it once for the job
     for rank, f in enumerate(seen):
         assert f["env"]["LOCAL_RANK"] == str(rank) and f["env"]["WORLD_SIZE"] == "2"
         assert f["env"]["ACCELERATE_USE_FSDP"] == "true" and f["env"]["FSDP_VERSION"] == "2"
