@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
-
-from typing import TYPE_CHECKING
 
 from .engine.errors import PatchError  # noqa: F401  (re-exported)
 
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: `import accel_fp8_fix` stays free of typing, logging, dataclasses
 if TYPE_CHECKING:
     from .engine.declarations import PatchSet, Selection
     from .engine.engine import Engine
 
-logger = logging.getLogger("accel_fp8_fix")
-logger.addHandler(logging.NullHandler())  # a library: the application decides what is shown
+
+
+def _logger():
+    """The package logger (``logging`` is imported on first use; ``_log`` adds the NullHandler)."""
+    from ._log import logger
+
+    return logger
 
 OFF_VALUES = ("0", "false", "no", "off")
 ON_VALUES = ("1", "true", "yes", "on")
@@ -48,16 +50,16 @@ def activation_mode() -> str:
     return "import accel_fp8_fix"
 
 
-@dataclass
 class _State:
-    lock: threading.RLock = field(default_factory=threading.RLock)
-    engines: dict = field(default_factory=dict)  # (kind, set name) -> Engine
-    selection: Selection | None = None
-    engine: Engine | None = None
-    mode: str = "inactive"
-    strict: bool = False
-    requested: bool = False  # activate() was called (and not undone)
-    hook_registered: bool = False
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.engines: dict = {}  # (kind, set name) -> Engine
+        self.selection: Selection | None = None
+        self.engine: Engine | None = None
+        self.mode = "inactive"
+        self.strict = False
+        self.requested = False  # activate() was called (and not undone)
+        self.hook_registered = False
 
 
 _state = _State()
@@ -111,7 +113,7 @@ def activate(strict: bool | None = None):
     with _state.lock:
         if env_flag("ACCEL_FP8_FIX") is False:
             _state.mode = activation_mode()
-            logger.info("accel_fp8_fix: not activated (ACCEL_FP8_FIX=0)")
+            _logger().info("accel_fp8_fix: not activated (ACCEL_FP8_FIX=0)")
             return report()
         if _state.requested and (_state.engine is None or _state.engine.active):
             return report()
@@ -172,30 +174,28 @@ def active_patch_set() -> str | None:
     return engine.patch_set.name if engine is not None and engine.applied else None
 
 
-@dataclass
 class Report:
-    mode: str
-    strict: bool
-    patch_set: str | None
-    reason: str
-    versions: dict
-    patches: list  # dicts: target, status, detail, fixes, why
-    error: str = ""
+    """What ``report()`` says; ``patches``: dicts of target, status, detail, fixes, why."""
+
+    FIELDS = ("mode", "strict", "patch_set", "reason", "versions", "patches", "error")
+
+    def __init__(self, mode: str, strict: bool, patch_set: str | None, reason: str, versions: dict, patches: list,
+                 error: str = ""):
+        self.mode, self.strict, self.patch_set, self.reason = mode, strict, patch_set, reason
+        self.versions, self.patches, self.error = versions, patches, error
+
+    def __eq__(self, other):
+        return isinstance(other, Report) and self.as_dict() == other.as_dict()
+
+    def __repr__(self) -> str:
+        return "Report(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.FIELDS) + ")"
 
     @property
     def applied(self) -> bool:
         return any(p["status"] == "applied" for p in self.patches)
 
     def as_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "strict": self.strict,
-            "patch_set": self.patch_set,
-            "reason": self.reason,
-            "versions": self.versions,
-            "patches": self.patches,
-            "error": self.error,
-        }
+        return {k: getattr(self, k) for k in self.FIELDS}
 
     def __str__(self) -> str:
         lines = [

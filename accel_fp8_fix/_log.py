@@ -15,6 +15,9 @@ import sys
 import threading
 import warnings
 
+logger = logging.getLogger("accel_fp8_fix")
+logger.addHandler(logging.NullHandler())  # a library: the application decides what is shown
+
 _lock = threading.Lock()
 _said: set = set()
 _INTERNAL = (os.sep + "accel_fp8_fix" + os.sep, os.sep + "wrapt" + os.sep, os.sep + "accelerate" + os.sep,

@@ -11,7 +11,25 @@ import sys
 import time
 
 RUNS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
-ENV = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_FP8"))}
+# Bytecode caching on, as in users' environments (this machine sets PYTHONDONTWRITEBYTECODE=1, which would
+# measure compiling the sources instead of importing them).
+ENV = {k: v for k, v in os.environ.items()
+       if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_FP8")) and k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def _once(code: str, env=None) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, env=env or ENV)
+    return time.perf_counter() - start
+
+
+def interleaved_medians(*codes: str) -> list:
+    """Median seconds of each snippet, run alternately (a, b, a, b, ...) so drift hits all of them alike."""
+    times = [[] for _ in codes]
+    for _ in range(RUNS):
+        for i, code in enumerate(codes):
+            times[i].append(_once(code))
+    return [statistics.median(t) for t in times]
 
 
 def median_seconds(code: str, env=None) -> float:
@@ -28,12 +46,12 @@ def main():
         [sys.executable, "-c", "import sys, accel_fp8_fix; print([m for m in ('torch', 'accelerate') if m in sys.modules])"],
         capture_output=True, text=True, env=ENV, check=True,
     ).stdout.strip()
+    subprocess.run([sys.executable, "-c", "import accelerate, accel_fp8_fix, accel_fp8_fix.fixes.prepare"],
+                   check=True, env=ENV)  # warm-up: writes the bytecode caches
     # Interleave-free but same-run measurements: ratios, not absolute numbers, are what to compare.
-    bare = median_seconds("pass")
-    package = median_seconds("import accel_fp8_fix")
+    bare, package = interleaved_medians("pass", "import accel_fp8_fix")
     trampoline_off = median_seconds("pass")  # .pth installed, variables unset
-    accelerate = median_seconds("import accelerate")
-    both = median_seconds("import accelerate; import accel_fp8_fix")
+    accelerate, both = interleaved_medians("import accelerate", "import accelerate; import accel_fp8_fix")
     print(f"runs per figure                : {RUNS}")
     print(f"modules imported by the package: {leaked} (must be [])")
     print(f"python -c pass                 : {bare * 1e3:7.1f} ms")

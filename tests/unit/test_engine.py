@@ -289,10 +289,13 @@ def test_untampered_internals_let_the_set_apply():
 def test_a_renamed_private_internal_refuses_the_whole_set_naming_it_and_the_version():
     from accel_fp8_fix.engine import installed_version
 
-    got = _probe("from torch.distributed.fsdp import FSDPModule; del FSDPModule._get_fsdp_state")
+    # a torch whose FSDP2 no longer records which module owns a parameter
+    tamper = "import accel_fp8_fix.internals.torch_fsdp2 as f; f._SOURCES += (('_fsdp_param.py', 'self._module_info_renamed'),)"
+    got = _probe(tamper)
     assert got["patch_set"] is None and not got["prepare_wrapped"]  # accelerate untouched
-    assert "FSDPModule._get_fsdp_state is gone" in got["error"]
+    assert "FSDP2 internal 'self._module_info_renamed' is gone from _fsdp_param.py" in got["error"]
     assert f"torch {installed_version('torch')}" in got["error"]
+    assert "not applied (accelerate left untouched" in got["error"]
 
 
 def test_a_changed_upstream_body_that_the_set_mirrors_refuses_it_naming_the_function():
