@@ -64,7 +64,6 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
     S.ensure_rehearsal(True)

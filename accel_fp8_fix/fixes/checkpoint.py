@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ..internals.accelerate_internals import prepared_models
 from .fp8_state import broadcast_fp8_state, reduce_pending_amax
 
 
@@ -22,7 +23,7 @@ def _reduce_pending(accelerator, models) -> None:
 
 def save_state(wrapped, instance, args, kwargs):
     """``Accelerator.save_state``: the pending (row 0) amax is MAX-reduced on the amax group first."""
-    _reduce_pending(instance, instance._models)
+    _reduce_pending(instance, prepared_models(instance))
     return wrapped(*args, **kwargs)
 
 
@@ -39,6 +40,6 @@ def load_state(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     setup = _fp8_setup(instance)
     if setup is not None:
-        for model in instance._models:
+        for model in prepared_models(instance):
             broadcast_fp8_state(model, setup.amax_group, src=setup.amax_group_ranks[0])
     return result

@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from types import MethodType
 
-from ..internals.accelerate_te import unwrap_accelerate_autocast
+from ..internals.accelerate_internals import unwrap_accelerate_autocast
 
 
 def te_autocast(te):

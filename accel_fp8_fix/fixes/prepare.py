@@ -18,6 +18,7 @@ from .._api import active_patch_set
 from .._log import say, warn_user
 from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
+from ..internals.accelerate_internals import recipe_handler
 from .activation_checkpointing import route_checkpointing_through_te
 from .fp8_autocast import build_recipe, te_autocast, wrap_forward
 from .fp8_state import broadcast_fp8_state, register_tensor_state
@@ -132,7 +133,7 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
         )
         warn_user(message)  # FP8 was asked for and is off: the user must know, at their prepare() line
         return setup
-    recipe, use_during_eval = build_recipe(accelerator.te_recipe_handler or accelerator.fp8_recipe_handler)
+    recipe, use_during_eval = build_recipe(recipe_handler(accelerator))
     setup.recipe = recipe
     # FP8 state now, on the module's device (as the first FP8 forward would create it), then registered.
     with torch.no_grad(), te_autocast(te)(True, recipe, group):

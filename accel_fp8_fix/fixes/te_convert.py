@@ -1,4 +1,4 @@
-"""Convert ``nn.Linear`` / ``nn.LayerNorm`` to Transformer Engine modules *after* sharding (A1, A4).
+"""Convert ``nn.Linear`` / ``nn.LayerNorm`` to Transformer Engine modules *after* sharding (A1).
 
 The TE module is built on the ``meta`` device (no full-size allocation) and takes over the very same
 Parameter objects, DTensor shards included, so the optimizer needs no remapping and no rank ever holds
@@ -22,6 +22,7 @@ from .._log import say
 from ..distributed.collectives import is_dtensor
 from ..internals import torch_fsdp2, transformers_tp
 from .fp8_shapes import install_token_check, local_dims, local_dims_fit
+from .local_shards import install_local_shards
 
 logger = logging.getLogger(__name__)
 
@@ -90,42 +91,6 @@ def _take_over_parameters(old: nn.Module, new: nn.Module, names) -> None:
         param = getattr(old, name, None)
         # Direct dict assignment: the same Parameter object, without TE's register_parameter bookkeeping.
         new._parameters[name] = param
-
-
-class _LocalShardsDuringForward:
-    """Forward pre/post hooks: TE kernels take local tensors, so DTensor params are swapped for their
-    (autograd-connected) local shards for the duration of the forward, then put back."""
-
-    def __init__(self, names, tp_mesh):
-        self.names = names
-        self.tp_dims = tp_mesh.mesh_dim_names
-
-    def pre(self, module, args):
-        saved = {}
-        for name in self.names:
-            param = module._parameters.get(name)
-            if param is None or not is_dtensor(param):
-                continue  # plain: FSDP2 already handed in its unsharded tensor
-            if param.device_mesh.mesh_dim_names != self.tp_dims:
-                raise RuntimeError(
-                    f"accel_fp8_fix: {type(module).__name__}.{name} reached forward sharded on mesh dims "
-                    f"{param.device_mesh.mesh_dim_names} {param.placements}, not only on the TP mesh {self.tp_dims}: "
-                    "FSDP2 did not unshard it (is the module outside every fully_shard unit?)"
-                )
-            saved[name] = param
-            module._parameters[name] = param.to_local()
-        module._accel_fp8_fix_saved_params = saved
-
-    def post(self, module, args, output):
-        for name, param in getattr(module, "_accel_fp8_fix_saved_params", {}).items():
-            module._parameters[name] = param
-        module._accel_fp8_fix_saved_params = {}
-
-
-def install_local_shards(module: nn.Module, names, tp_mesh) -> None:
-    hooks = _LocalShardsDuringForward(tuple(names), tp_mesh)
-    module.register_forward_pre_hook(hooks.pre)
-    module.register_forward_hook(hooks.post, always_call=True)
 
 
 def _new_linear(te, linear: nn.Linear, name: str):
@@ -208,23 +173,3 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
             f"accel_fp8_fix: kept {len(report.skipped)} module(s) in high precision, not Transformer Engine: {detail}")
     report.te_modules = [m for m in model.modules() if hasattr(m, "fp8_meta") and hasattr(m, "init_fp8_metadata")]
     return report
-
-
-def convert_model(wrapped, instance, args, kwargs):
-    """``accelerate.utils.transformer_engine.convert_model`` (non-sharded paths: one GPU, DDP): skip a
-    Linear TE cannot take instead of returning and leaving every later sibling unconverted (A4), and take
-    over the Parameter objects instead of copying them. Reverse conversion and HPU stay stock."""
-    import inspect
-
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    bound.apply_defaults()
-    opts = bound.arguments
-    from accelerate.utils import is_hpu_available
-
-    if not opts["to_transformer_engine"] or is_hpu_available():
-        return wrapped(*args, **kwargs)
-    import transformer_engine.pytorch as te
-
-    model = opts["model"]
-    exclude = () if opts["_convert_linear"] else tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
-    convert_after_sharding(model, te, convert_layernorm=opts["_convert_ln"], exclude=exclude)

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from ..distributed.collectives import is_dtensor
-from .te_convert import TP_ATTR, install_local_shards
+from ..internals.accelerate_internals import prepare_one
+from .local_shards import install_local_shards
+from .te_convert import TP_ATTR
 
 
 def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:
@@ -58,8 +60,8 @@ def prepare_tp(wrapped, instance, args, kwargs):
 
     if not (instance.is_fsdp2 or getattr(instance, DEFER_FLAG, False)):
         return wrapped(*args, **kwargs)
-    result = [instance._prepare_one(obj, first_pass=True) if not isinstance(obj, nn.Module) else obj for obj in args]
-    result = [instance._prepare_one(obj) if not isinstance(obj, nn.Module) else obj for obj in result]
+    result = [prepare_one(instance, obj, first_pass=True) if not isinstance(obj, nn.Module) else obj for obj in args]
+    result = [prepare_one(instance, obj) if not isinstance(obj, nn.Module) else obj for obj in result]
     models = [obj for obj in result if isinstance(obj, nn.Module)]
     if not any(is_dtensor(p) for m in models for p in m.parameters()):
         raise ValueError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("torch_fsdp2", "transformers_tp", "accelerate_te")
+MODULES = ("torch_fsdp2", "transformers_tp", "accelerate_internals")
 
 
 def check(names) -> list[str]:

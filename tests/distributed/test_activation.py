@@ -214,25 +214,26 @@ def _read_ranks(out_dir, n):
     return [json.loads(f.read_text()) for f in files]
 
 
-def test_accelerate_config_flag_activates_every_worker_of_accelerate_launch(tmp_path):
+def _fp8_launch_config(tmp_path, flag: bool):
+    """An accelerate config for 2 CPU workers with TE FP8, with or without the package's flag."""
     config = tmp_path / "config.yaml"
-    config.write_text(
-        textwrap.dedent(
-            """
-            compute_environment: LOCAL_MACHINE
-            distributed_type: MULTI_GPU
-            use_cpu: true
-            num_machines: 1
-            num_processes: 2
-            machine_rank: 0
-            main_training_function: main
-            mixed_precision: fp8
-            fp8_config:
-              backend: TE
-              accel_fp8_fix: true
-            """
-        )
-    )
+    config.write_text(textwrap.dedent("""
+        compute_environment: LOCAL_MACHINE
+        distributed_type: MULTI_GPU
+        use_cpu: true
+        num_machines: 1
+        num_processes: 2
+        machine_rank: 0
+        main_training_function: main
+        mixed_precision: fp8
+        fp8_config:
+          backend: TE
+        """) + ("  accel_fp8_fix: true\n" if flag else ""))
+    return config
+
+
+def test_accelerate_config_flag_activates_every_worker_of_accelerate_launch(tmp_path):
+    config = _fp8_launch_config(tmp_path, flag=True)
     # The launcher itself checks that an FP8 library exists (the installed transformer-engine
     # distribution); the workers get nothing but what the launcher exports from the config file.
     launcher = "import sys; from accelerate.commands.accelerate_cli import main; sys.argv = ['accelerate'] + sys.argv[1:]; main()"
@@ -286,19 +287,7 @@ def test_rehearsal_flag_alone_changes_where_te_comes_from_and_nothing_else(tmp_p
     """ACCEL_FP8_FIX_EMULATE_TE=1 + accelerate launch with a config *without* the flag: no worker's accelerate
     is patched at start-up (the rehearsal is installed), and the script's own `import accel_fp8_fix` is
     still a way in, exactly as on a GPU."""
-    config = tmp_path / "config.yaml"
-    config.write_text(textwrap.dedent("""
-        compute_environment: LOCAL_MACHINE
-        distributed_type: MULTI_GPU
-        use_cpu: true
-        num_machines: 1
-        num_processes: 2
-        machine_rank: 0
-        main_training_function: main
-        mixed_precision: fp8
-        fp8_config:
-          backend: TE
-        """))
+    config = _fp8_launch_config(tmp_path, flag=False)
     env = {**CLEAN_ENV, "ACCEL_FP8_FIX_EMULATE_TE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config),

@@ -1,6 +1,7 @@
 """Patch engine: selection by version, all-or-nothing, idempotence, exact undo, foreign wrappers."""
 
 import importlib
+import subprocess
 import sys
 import warnings
 
@@ -256,8 +257,6 @@ def test_inactive_engine_ignores_its_import_hook(tmp_path, monkeypatch):
 
 
 # -- internals fenced, upstream sources pinned (real accelerate / torch, in a fresh interpreter) ----------
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 _PROBE = """
 import json, sys
