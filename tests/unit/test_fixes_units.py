@@ -93,3 +93,14 @@ def test_autocast_wrapper_honours_train_eval_and_replaces_accelerates_wrapper():
     assert result[False] == (1, 0)  # FP8 in training, high precision in eval (accelerate's default)
     assert result[True] == (1, 1)  # use_autocast_during_eval=True: FP8 in eval too
     assert result["unwrapped_to"] == "method"  # the bound original forward, not accelerate's wrapper
+
+
+def test_fp8_shape_rule_is_checked_on_the_tp_local_shard():
+    """A11: TE's FP8 GEMMs see the TP-local weight. A 64 x 48 Linear fits unsharded, but its column-parallel
+    shard on 2 ranks is 24 wide: kept (the global check used before would have converted it)."""
+    from accel_fp8_fix.fixes.fp8_shapes import local_dims, local_dims_fit
+
+    assert local_dims(64, 48, None, 1) == (64, 48) and local_dims_fit(64, 48)
+    assert local_dims(64, 48, "column", 2) == (64, 24) and not local_dims_fit(64, 24)
+    assert local_dims(96, 64, "row", 2) == (48, 64) and local_dims_fit(48, 64)
+    assert local_dims(64, 64, "row", 8) == (8, 64) and not local_dims_fit(8, 64)

@@ -210,6 +210,30 @@ def _with_te(rank, world_size):
             out[f"shape_{checked}"] = None
         except ValueError as exc:
             out[f"shape_{checked}"] = str(exc)
+    # the other recipe and module the shim covers: current scaling on a Linear, LayerNormMLP (GELU epilogues)
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    x = torch.randn(16, 32, requires_grad=True)
+    te_on_cpu.reset_stats()
+    linear = te.Linear(32, 32)
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
+        y = linear(x)
+    y.sum().backward()
+    reference = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    stats = te_on_cpu.stats()
+    out["current_scaling"] = {"fp8_gemms": stats["fp8_gemms"], "casts": stats.get("quantize_Float8CurrentScalingQuantizer", 0),
+                              "rel_err": float((y - reference).detach().norm() / reference.detach().norm())}
+    te_on_cpu.reset_stats()
+    mlp = te.LayerNormMLP(32, 64)
+    with te.autocast(enabled=True, recipe=recipe):
+        y = mlp(x)
+    y.sum().backward()
+    h = torch.nn.functional.layer_norm(x, (32,), mlp.layer_norm_weight, mlp.layer_norm_bias, eps=mlp.eps)
+    h = torch.nn.functional.gelu(torch.nn.functional.linear(h, mlp.fc1_weight, mlp.fc1_bias), approximate="tanh")
+    reference = torch.nn.functional.linear(h, mlp.fc2_weight, mlp.fc2_bias)
+    stats = te_on_cpu.stats()
+    out["layernorm_mlp"] = {"fwd": stats["fp8_gemms_fwd"], "bwd": stats["fp8_gemms_bwd"], "hp": stats["non_fp8_gemms"],
+                            "rel_err": float((y - reference).detach().norm() / reference.detach().norm())}
     # CUDA-as-CPU answers only TE's frames
     out["cuda_for_others"] = (torch.cuda.is_available(), torch.zeros(1).is_cuda)
     from transformer_engine.pytorch.utils import get_device_compute_capability
@@ -250,3 +274,9 @@ def test_a_token_count_fp8_cannot_run_is_named_with_module_shape_and_remedy(with
 def test_cuda_as_cpu_answers_only_tes_frames(with_te):
     assert list(with_te["cuda_for_others"]) == [False, False]  # accelerate / torch / user code still see a CPU
     assert with_te["te_capability"] == [9, 0]  # TE sees a Hopper
+
+
+def test_current_scaling_and_layernorm_mlp_run_their_gemms_in_fp8(with_te):
+    cs, mlp = with_te["current_scaling"], with_te["layernorm_mlp"]
+    assert cs["fp8_gemms"] == 3 and cs["casts"] >= 3 and cs["rel_err"] < 0.1  # FP8 resolution vs fp32
+    assert (mlp["fwd"], mlp["bwd"], mlp["hp"]) == (2, 4, 0) and mlp["rel_err"] < 0.1
