@@ -1,9 +1,9 @@
 """An older Transformer Engine than the venv's, under the same FSDP2 FP8 scenarios: TE 2.8.0.
 
-Chosen because it is the TE of NVIDIA's PyTorch containers that ship torch 2.9 (25.10) and the last
-release whose FP8 context is only ``fp8_autocast(fp8_recipe=, fp8_group=)`` (``autocast(recipe=,
-amax_reduction_group=)`` arrived in 2.9), with ``FP8GlobalStateManager`` in ``pytorch/fp8.py`` and
-``Float8TensorBase`` in ``tensor/_internal``. Its pure-Python wheel is installed
+Chosen because it is the last release whose FP8 context is only ``fp8_autocast(fp8_recipe=,
+fp8_group=)`` (``autocast(recipe=, amax_reduction_group=)`` arrived in 2.9), with ``FP8GlobalStateManager``
+in ``pytorch/fp8.py`` and ``Float8TensorBase`` in ``tensor/_internal`` — the 2.x line of the torch 2.8/2.9
+era that deployed containers carry (which exact TE each NGC container ships was not verified here). Its pure-Python wheel is installed
 (``pip install --no-deps --target``, cached like the accelerate releases) and shadows the venv's TE
 through ``PYTHONPATH`` in every rank; TE's own Python then runs over the CPU kernel shim.
 """
