@@ -390,3 +390,67 @@ def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentr
                  amax_groups=sorted({str(g) for g in stats["amax_reduction_groups"]}))
     prepare_fix.route_checkpointing_through_te = route_checkpointing_through_te
     return facts
+
+
+MXFP8_RECIPE = {"fp8_format": "E4M3", "use_mxfp8_block_scaling": True}
+
+
+def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
+    """FSDP2 + MXFP8 (accelerate's ``use_mxfp8_block_scaling``) through the patched prepare, on TE's Python
+    answering as a Blackwell (``ACCEL_FP8_FIX_CPU_TE_ARCH=sm100``): 32 tokens per rank (MXFP8 scales
+    32-element blocks); losses vs the same recipe in one process; a stateless recipe: no amax reduction,
+    empty ``_extra_state``."""
+    import torch
+    import torch.distributed as dist
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=MXFP8_RECIPE,
+                             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                         reduce_dtype=torch.float32))
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(32 * world_size, S.DIM, generator=g), torch.randn(32 * world_size, 16, generator=g)
+    # the reference: same model and recipe, whole batch, one process (TE's FSDP2 weight path, as the ranks)
+    ref_model = S.block_stack(seed=0)
+    convert_after_sharding(ref_model, te, dim_multiple=32)  # head (64 -> 16) stays high precision, as on the ranks
+    for module in ref_model.modules():
+        if hasattr(module, "fp8_meta"):
+            module._is_fsdp2 = True
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
+    recipe = te_recipe.MXFP8BlockScaling(fp8_format=te_recipe.Format.E4M3)
+    reference = []
+    for _ in range(steps):
+        with te_autocast(te)(True, recipe, None):
+            loss = torch.nn.functional.mse_loss(ref_model(x).float(), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        reference.append(float(loss))
+    reset_te_global_state()
+    model = S.block_stack(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    setup = acc.accel_fp8_fix
+    S.te_reset()
+    mine = slice(rank * 32, (rank + 1) * 32)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x[mine]).float(), y[mine])
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(float(value) / world_size)
+    stats = S.te_stats()
+    extra = {k: v.numel() for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    return {"recipe": type(setup.recipe).__name__, "fp8_enabled": setup.fp8_enabled, "losses": losses,
+            "skipped": [[n, why] for n, why in setup.conversion.skipped],
+            "reference": reference, "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "fp8_gemms_bwd": stats["fp8_gemms_bwd"],
+            "non_fp8_gemms": stats["non_fp8_gemms"], "mxfp8_casts": stats.get("quantize_MXFP8Quantizer", 0),
+            "amax_reductions": stats["amax_reductions"], "extra_state_sizes": sorted(set(extra.values()))}

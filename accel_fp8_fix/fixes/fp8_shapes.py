@@ -7,7 +7,8 @@ and the last dim by 16. TE checks at the first FP8 GEMM and says neither which m
 
 - at conversion, :func:`local_dims_fit` decides on the TP-local weight shape (not the global one);
 - at every FP8 forward, :func:`install_token_check` raises, before TE's own assertion, a ``ValueError``
-  naming the module, the shape this rank fed it and the remedy (pad the batch).
+  naming the module, the shape this rank fed it and the remedy (pad the batch); MXFP8 needs multiples
+  of 32 (its scale blocks) instead of 8 / 16.
 
 Chosen over padding (TE's ``Fp8Padding``): padding would copy every activation of every layer on every
 step to hide a data-pipeline choice that one ``pad_to_multiple_of=8`` fixes for free.
@@ -19,6 +20,7 @@ import math
 
 FP8_LEADING_MULTIPLE = 8
 FP8_LAST_MULTIPLE = 16
+MXFP8_MULTIPLE = 32  # MXFP8 scales 32-element blocks along both dims (MXFP8Quantizer::get_scale_shape)
 
 
 def local_dims(in_features: int, out_features: int, mode: str | None, tp_size: int) -> tuple[int, int]:
@@ -30,17 +32,29 @@ def local_dims(in_features: int, out_features: int, mode: str | None, tp_size: i
     return in_features, out_features
 
 
-def local_dims_fit(in_local: int, out_local: int) -> bool:
-    """Both weight dims a multiple of 16 (the weight is an FP8 GEMM operand in forward and backward)."""
-    return in_local % FP8_LAST_MULTIPLE == 0 and out_local % FP8_LAST_MULTIPLE == 0
+def local_dims_fit(in_local: int, out_local: int, multiple: int = FP8_LAST_MULTIPLE) -> bool:
+    """Both weight dims a multiple of 16 (the weight is an FP8 GEMM operand in forward and backward), or of
+    32 for MXFP8 (``weight_multiple(recipe)``)."""
+    return in_local % multiple == 0 and out_local % multiple == 0
 
 
-def _fp8_on() -> bool:
+def weight_multiple(recipe) -> int:
+    """What each weight dim must be a multiple of for ``recipe``'s GEMMs."""
+    return MXFP8_MULTIPLE if recipe is not None and getattr(recipe, "mxfp8", lambda: False)() else FP8_LAST_MULTIPLE
+
+
+def _fp8_multiples() -> tuple[int, int] | None:
+    """(leading, last) multiples the current FP8 recipe needs, or None when FP8 is off."""
     try:
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
     except ImportError:  # TE < 2.9
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-    return FP8GlobalStateManager.is_fp8_enabled()
+    if not FP8GlobalStateManager.is_fp8_enabled():
+        return None
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    if getattr(recipe, "mxfp8", lambda: False)():
+        return MXFP8_MULTIPLE, MXFP8_MULTIPLE
+    return FP8_LEADING_MULTIPLE, FP8_LAST_MULTIPLE
 
 
 class _TokenCheck:
@@ -48,18 +62,20 @@ class _TokenCheck:
         self.name = name
 
     def __call__(self, module, args):
-        if not args or not hasattr(args[0], "shape") or not _fp8_on():
+        multiples = _fp8_multiples() if args and hasattr(args[0], "shape") else None
+        if multiples is None:
             return None
+        lead_m, last_m = multiples
         shape = tuple(args[0].shape)
         leading = math.prod(shape[:-1]) if len(shape) > 1 else 1
-        if leading % FP8_LEADING_MULTIPLE == 0 and shape[-1] % FP8_LAST_MULTIPLE == 0:
+        if leading % lead_m == 0 and shape[-1] % last_m == 0:
             return None
         raise ValueError(
             f"accel_fp8_fix: {self.name} ({type(module).__name__}) got an input of shape {list(shape)} on this "
             f"rank: Transformer Engine's FP8 GEMMs need the tokens per rank (product of the leading dims, "
-            f"here {leading}) to be a multiple of {FP8_LEADING_MULTIPLE} and the feature dim (here {shape[-1]}) "
-            f"a multiple of {FP8_LAST_MULTIPLE}. Pad each rank's batch so that batch x sequence is a multiple "
-            f"of {FP8_LEADING_MULTIPLE} (e.g. tokenizer / collator pad_to_multiple_of={FP8_LEADING_MULTIPLE}), "
+            f"here {leading}) to be a multiple of {lead_m} and the feature dim (here {shape[-1]}) "
+            f"a multiple of {last_m}. Pad each rank's batch so that batch x sequence is a multiple "
+            f"of {lead_m} (e.g. tokenizer / collator pad_to_multiple_of={lead_m}), "
             "or keep this module out of FP8."
         )
 

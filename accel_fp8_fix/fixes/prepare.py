@@ -22,6 +22,7 @@ from ..internals.accelerate_internals import recipe_handler
 from .activation_checkpointing import route_checkpointing_through_te
 from .fp8_autocast import build_recipe, te_autocast, wrap_forward
 from .fp8_state import broadcast_fp8_state, register_tensor_state
+from .fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
 from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
 
@@ -122,7 +123,8 @@ def amax_group_for(mesh):
 def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     import transformer_engine.pytorch as te
 
-    conversion = convert_after_sharding(model, te)
+    recipe, use_during_eval = build_recipe(recipe_handler(accelerator))
+    conversion = convert_after_sharding(model, te, dim_multiple=weight_multiple(recipe))
     mesh = mesh_of(accelerator, model)
     group, ranks = amax_group_for(mesh)
     setup = Fp8Setup(conversion=conversion, amax_group=group, amax_group_ranks=ranks, mesh=mesh)
@@ -133,7 +135,6 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
         )
         warn_user(message)  # FP8 was asked for and is off: the user must know, at their prepare() line
         return setup
-    recipe, use_during_eval = build_recipe(recipe_handler(accelerator))
     setup.recipe = recipe
     # FP8 state now, on the module's device (as the first FP8 forward would create it), then registered.
     with torch.no_grad(), te_autocast(te)(True, recipe, group):

@@ -21,7 +21,7 @@ from torch import nn
 from .._log import say
 from ..distributed.collectives import is_dtensor
 from ..internals import torch_fsdp2, transformers_tp
-from .fp8_shapes import install_token_check, local_dims, local_dims_fit
+from .fp8_shapes import FP8_LAST_MULTIPLE, install_token_check, local_dims, local_dims_fit
 from .local_shards import install_local_shards
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,8 @@ def _new_layernorm(te, norm: nn.LayerNorm, name: str):
     return te.LayerNorm(norm.normalized_shape[0], eps=norm.eps, params_dtype=norm.weight.dtype, device="meta")
 
 
-def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = True, exclude=()) -> ConversionReport:
+def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = True, exclude=(),
+                           dim_multiple: int = FP8_LAST_MULTIPLE) -> ConversionReport:
     """Swap supported modules for TE ones in place, keeping every Parameter object; return what happened.
 
     ``exclude``: qualified module names to keep as they are (e.g. ``("lm_head",)``).
@@ -132,11 +133,11 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
                 mode, tp_mesh = getattr(child, TP_ATTR, (None, None))
                 tp_size = tp_mesh.size() if tp_mesh is not None else 1
                 in_local, out_local = local_dims(child.in_features, child.out_features, mode, tp_size)
-                if not local_dims_fit(in_local, out_local):
+                if not local_dims_fit(in_local, out_local, dim_multiple):
                     shard = "" if (in_local, out_local) == (child.in_features, child.out_features) else (
                         f" ({mode}-parallel shard on this rank: {in_local} x {out_local})")
                     reason = (f"in_features={child.in_features}, out_features={child.out_features}{shard}: TE's FP8 "
-                              "GEMMs need multiples of 16")
+                              f"GEMMs need multiples of {dim_multiple}")
                 elif isinstance(child, FSDPModule):
                     reason = "it is an FSDP2 unit of its own (its unshard hooks live on this module object)"
                 else:

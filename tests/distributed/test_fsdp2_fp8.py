@@ -165,3 +165,20 @@ def test_frozen_first_layers_keep_one_backward_reduction_and_the_reference_losse
         # frozen layers whose input needs no grad run neither dgrad nor wgrad
         assert f["fp8_gemms_bwd"] == bwd_gemms_per_step * 4
         F.check_losses(f, f["reference"])
+
+
+def test_fsdp2_with_mxfp8_from_accelerates_recipe_kwargs():
+    """MXFP8 (block scaling, stateless) through accelerate's TERecipeKwargs(use_mxfp8_block_scaling=True), on
+    TE's Python answering as sm100: every GEMM in MXFP8, no amax collective, nothing pickled in the state
+    dict, losses of the same recipe in one process."""
+    results = F.launch([("sc_fsdp2_mxfp8_train", {})], 2,
+                       env={**S.ENV_FIXED, "ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"})
+    for f in S.facts_of(results, "sc_fsdp2_mxfp8_train"):
+        assert f["recipe"] == "MXFP8BlockScaling" and f["fp8_enabled"]
+        # MXFP8 needs weight dims in multiples of 32: the 64 -> 16 head is kept, with the reason
+        assert f["skipped"] == [["head", "in_features=64, out_features=16: TE's FP8 GEMMs need multiples of 32"]]
+        assert (f["fp8_gemms_fwd"], f["fp8_gemms_bwd"], f["non_fp8_gemms"]) == (4 * 4, 8 * 4, 0)
+        assert f["mxfp8_casts"] > 0 and f["amax_reductions"] == 0  # block scales are local
+        assert f["extra_state_sizes"] == [0]  # stateless recipe: TE writes empty extra state
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-6)
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)

@@ -280,3 +280,46 @@ def test_current_scaling_and_layernorm_mlp_run_their_gemms_in_fp8(with_te):
     cs, mlp = with_te["current_scaling"], with_te["layernorm_mlp"]
     assert cs["fp8_gemms"] == 3 and cs["casts"] >= 3 and cs["rel_err"] < 0.1  # FP8 resolution vs fp32
     assert (mlp["fwd"], mlp["bwd"], mlp["hp"]) == (2, 4, 0) and mlp["rel_err"] < 0.1
+
+
+# -- MXFP8: E8M0 block scales (common/util/ptx_arch_spec.cuh float_to_e8m0, ptx.cuh exp2f_rcp) -------------
+def _reference_e8m0(value: float) -> int:
+    """float_to_e8m0 rewritten on Python ints: the biased exponent of ``value``, rounded up, saturating."""
+    import struct
+
+    if math.isnan(value):
+        return 0xFF
+    if math.isinf(value):
+        return 0xFE
+    if value == 0.0:
+        return 0
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    exponent, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    if mantissa > 0 and exponent != 0xFE and not (exponent == 0 and mantissa <= 0x400000):
+        exponent += 1
+    return exponent
+
+
+def test_e8m0_block_scale_rounds_the_exponent_up():
+    values = [1.0, 1.5, 2.0, 3.0, 448.0 / 448.0, 0.75, 1e-3, 2.0 ** -126, 2.0 ** -130, 3e38, 0.0,
+              float("inf"), float("nan")]
+    got = tex.float_to_e8m0(torch.tensor(values, dtype=torch.float32)).tolist()
+    assert got == [_reference_e8m0(float(torch.tensor(v, dtype=torch.float32))) for v in values]
+    assert got[:4] == [127, 128, 128, 129]  # 1 -> 2**0; 1.5 and 2 -> 2**1; 3 -> 2**2
+
+
+def test_mxfp8_blocks_scale_by_their_own_amax_and_round_trip():
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    x[:32, :32] *= 1000.0  # one loud block: its scale must not leak into the others
+    for columnwise in (False, True):
+        bits, e = tex.mxfp8_quantize_2d(x, E4M3, columnwise)
+        assert e.shape == ((2, 64) if columnwise else (64, 2))
+        back = tex.mxfp8_dequantize_2d(bits, e, E4M3, columnwise)
+        quiet = back[32:, 32:] - x[32:, 32:]
+        assert float(quiet.abs().max()) < 0.25 and float((back - x).norm() / x.norm()) < 0.05
+        # every block's largest magnitude lands at or below 448 after its power-of-two scale
+        decoded = tex.fp8_bits_to_float(bits, E4M3)
+        assert float(decoded.abs().max()) <= 448.0
+    padded = tex._padded_scales(tex.mxfp8_quantize_2d(x, E4M3, False)[1], False, 64, 64)
+    assert padded.shape == (128, 4)  # MXFP8Quantizer::get_scale_shape: roundup(M, 128) x roundup(K/32, 4)

@@ -376,13 +376,16 @@ def _is_float8(t) -> bool:
     return hasattr(t, "_fp8_dtype") and hasattr(t, "_scale_inv") and hasattr(t, "_transpose")
 
 
+_KINDS = ("Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer")
+
+
 def _quantizer_kind(quantizer) -> str:
     name = type(quantizer).__name__
-    if name in ("Float8Quantizer", "Float8CurrentScalingQuantizer"):
+    if name in _KINDS:
         return name
     raise NotImplementedError(
         f"transformer_engine_torch.quantize with {name}: not implemented by the CPU rehearsal "
-        "(implemented: Float8Quantizer, Float8CurrentScalingQuantizer)"
+        f"(implemented: {', '.join(_KINDS)})"
     )
 
 
@@ -410,12 +413,156 @@ def _scale_for(quantizer, x: torch.Tensor):
     return torch.tensor([scale], dtype=torch.float32)
 
 
+
+# --------------------------------------------------------------------------------------------------
+# MXFP8: 32-element blocks, power-of-two scales stored as E8M0 (biased exponents)
+
+MXFP8_BLOCK = 32
+
+
+def float_to_e8m0(value: torch.Tensor) -> torch.Tensor:
+    """``ptx::float_to_e8m0`` (common/util/ptx_arch_spec.cuh): the biased exponent of ``value`` rounded up
+    to a power of two, saturating; NaN -> 0xFF, inf -> 0xFE, 0 -> 0. uint8."""
+    v = value.float().contiguous()
+    bits = v.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    out = exponent + round_up.to(exponent.dtype)
+    out = torch.where(v == 0, torch.zeros_like(out), out)
+    out = torch.where(torch.isinf(v), torch.full_like(out, 0xFE), out)
+    out = torch.where(torch.isnan(v), torch.full_like(out, 0xFF), out)
+    return out.to(torch.uint8)
+
+
+def e8m0_to_scale(e8m0: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """2**(e - 127) (the dequantization factor) or, ``inverse``, ``ptx::exp2f_rcp`` = 2**(127 - e)."""
+    e = e8m0.to(torch.int32)
+    if inverse:
+        bits = torch.where(e == 254, torch.full_like(e, 0x00400000), (254 - e).clamp(min=0) << 23)
+    else:
+        bits = torch.where(e == 0, torch.full_like(e, 0x00400000), e << 23)
+    out = bits.view(torch.float32)
+    return torch.where(e == 255, torch.full_like(out, float("nan")), out)
+
+
+def _roundup(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _mxfp8_2d(shape):
+    if not shape:
+        raise RuntimeError("MXFP8 requires at least a 1-D tensor")
+    last = shape[-1]
+    first = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    if first % MXFP8_BLOCK or last % MXFP8_BLOCK:
+        raise RuntimeError(f"MXFP8 requires tensor dims that are divisible by {MXFP8_BLOCK} (got shape={list(shape)})")
+    return first, last
+
+
+def mxfp8_quantize_2d(x2: torch.Tensor, te_dtype, columnwise: bool):
+    """(FP8 bits [M, K], E8M0 scales [M, K/32] row-wise or [M/32, K] column-wise), TE's block rule:
+    scale exponent = float_to_e8m0(block amax / fp8 max), data = satfinite(x * 2**(127 - e))."""
+    _, fp8_max = _fp8_info(te_dtype)
+    m, k = x2.shape
+    x32 = x2.float()
+    if columnwise:
+        blocks = x32.reshape(m // MXFP8_BLOCK, MXFP8_BLOCK, k)
+        amax = torch.where(torch.isnan(blocks), 0.0, blocks.abs()).amax(dim=1)  # [M/32, K]
+        e = float_to_e8m0(amax * (1.0 / fp8_max))
+        scaled = blocks * e8m0_to_scale(e, inverse=True)[:, None, :]
+    else:
+        blocks = x32.reshape(m, k // MXFP8_BLOCK, MXFP8_BLOCK)
+        amax = torch.where(torch.isnan(blocks), 0.0, blocks.abs()).amax(dim=2)  # [M, K/32]
+        e = float_to_e8m0(amax * (1.0 / fp8_max))
+        scaled = blocks * e8m0_to_scale(e, inverse=True)[:, :, None]
+    bits = cast_to_fp8(scaled.reshape(m, k), torch.ones(1), te_dtype)
+    return bits, e
+
+
+def mxfp8_dequantize_2d(bits: torch.Tensor, e8m0: torch.Tensor, te_dtype, columnwise: bool) -> torch.Tensor:
+    m, k = bits.shape
+    values = fp8_bits_to_float(bits, te_dtype)
+    if columnwise:
+        factors = e8m0_to_scale(e8m0[: m // MXFP8_BLOCK, :k], inverse=False)
+        return (values.reshape(m // MXFP8_BLOCK, MXFP8_BLOCK, k) * factors[:, None, :]).reshape(m, k)
+    factors = e8m0_to_scale(e8m0[:m, : k // MXFP8_BLOCK], inverse=False)
+    return (values.reshape(m, k // MXFP8_BLOCK, MXFP8_BLOCK) * factors[:, :, None]).reshape(m, k)
+
+
+def _padded_scales(e8m0: torch.Tensor, columnwise: bool, m: int, k: int) -> torch.Tensor:
+    """The scale buffer in the shape TE allocates (``MXFP8Quantizer::get_scale_shape``), compact layout."""
+    if columnwise:
+        out = torch.zeros(_roundup(m // MXFP8_BLOCK, 4), _roundup(k, 128), dtype=torch.uint8)
+    else:
+        out = torch.zeros(_roundup(m, 128), _roundup(k // MXFP8_BLOCK, 4), dtype=torch.uint8)
+    out[: e8m0.shape[0], : e8m0.shape[1]] = e8m0
+    return out
+
+
+def _is_mxfp8(t) -> bool:
+    return hasattr(t, "_rowwise_scale_inv") and hasattr(t, "_columnwise_scale_inv") and hasattr(t, "_rowwise_data")
+
+
+def _mxfp8_classes():
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Tensor
+
+    try:
+        from transformer_engine.pytorch.tensor.storage.mxfp8_tensor_storage import MXFP8TensorStorage
+    except ImportError:
+        from transformer_engine.pytorch.tensor._internal.mxfp8_tensor_base import (
+            MXFP8TensorBase as MXFP8TensorStorage,
+        )
+    return MXFP8Tensor, MXFP8TensorStorage
+
+
+def _quantize_mxfp8(x: torch.Tensor, quantizer, output=None):
+    """Scales are kept compact (``with_gemm_swizzled_scales=False``): only this shim reads them, and its
+    ``swizzle_scales_for_gemm_`` is a no-op."""
+    m, k = _mxfp8_2d(tuple(x.shape))
+    x2 = x.reshape(m, k)
+    parts = {}
+    for columnwise, usage in ((False, quantizer.rowwise_usage), (True, quantizer.columnwise_usage)):
+        name = "columnwise" if columnwise else "rowwise"
+        if usage:
+            bits, e = mxfp8_quantize_2d(x2, quantizer.dtype, columnwise)
+            parts[f"{name}_data"] = bits.reshape(x.shape)
+            parts[f"{name}_scale_inv"] = _padded_scales(e, columnwise, m, k)
+        else:
+            parts[f"{name}_data"] = parts[f"{name}_scale_inv"] = None
+    if output is not None:
+        for key, value in parts.items():
+            setattr(output, "_" + key, value)
+        output._with_gemm_swizzled_scales = False
+        return output
+    MXFP8Tensor, MXFP8TensorStorage = _mxfp8_classes()
+    common = dict(parts, fp8_dtype=quantizer.dtype, quantizer=quantizer, with_gemm_swizzled_scales=False)
+    if quantizer.internal:
+        return MXFP8TensorStorage(**_accepted(MXFP8TensorStorage, {**common, "fake_dtype": x.dtype}))
+    return MXFP8Tensor(**_accepted(MXFP8Tensor, {**common, "shape": list(x.shape), "dtype": x.dtype,
+                                                 "device": torch.device("cpu")}))
+
+
+def _dequantize_mxfp8(t, rowwise: bool = True, who: str = "dequantize") -> torch.Tensor:
+    name = "rowwise" if rowwise else "columnwise"
+    if getattr(t, f"_{name}_data") is None:
+        if who != "dequantize":
+            raise RuntimeError(f"{who}: MXFP8 tensor has no {name} data, which this GEMM layout needs")
+        rowwise, name = not rowwise, "columnwise" if rowwise else "rowwise"
+    bits = getattr(t, f"_{name}_data")
+    m, k = _mxfp8_2d(tuple(bits.shape))
+    out = mxfp8_dequantize_2d(bits.reshape(m, k), getattr(t, f"_{name}_scale_inv"), t._fp8_dtype, not rowwise)
+    return out.reshape(bits.shape)
+
+
 def quantize(tensor, quantizer, output=None, noop=None):
     if noop is not None and float(noop.reshape(-1)[0]) != 0.0:
         return output
     kind = _quantizer_kind(quantizer)
     _STATS[f"quantize_{kind}"] += 1
     x = tensor.contiguous()
+    if kind == "MXFP8Quantizer":
+        return _quantize_mxfp8(x, quantizer, output)
     scale = _scale_for(quantizer, x)
     with_data, with_transpose = _usages(quantizer)
     bits = cast_to_fp8(x, scale, quantizer.dtype)
@@ -474,6 +621,8 @@ def _dequantize_float8(t, rowwise: bool = True, who: str = "dequantize") -> torc
 
 
 def dequantize(input, otype):
+    if _is_mxfp8(input):
+        return _dequantize_mxfp8(input).to(_torch_dtype(otype))
     if not _is_float8(input):
         raise NotImplementedError(
             f"transformer_engine_torch.dequantize of {type(input).__name__}: not implemented by the "
@@ -483,7 +632,8 @@ def dequantize(input, otype):
 
 
 def create_empty_quantized_tensor(quantizer, shape, dtype, device, pin_memory):
-    _quantizer_kind(quantizer)
+    if _quantizer_kind(quantizer) == "MXFP8Quantizer":
+        return _quantize_mxfp8(torch.zeros(list(shape), dtype=dtype), quantizer)
     with_data, with_transpose = _usages(quantizer)
     shape = list(shape)
     return _make_float8(
@@ -526,6 +676,9 @@ def _fake_dtype(t) -> torch.dtype:
 
 def _operand(t, trans_needs_rowwise: bool, who: str):
     """(fp32 2-D logical matrix, is_fp8, fake dtype, logical shape)."""
+    if _is_mxfp8(t):
+        x = _dequantize_mxfp8(t, rowwise=trans_needs_rowwise, who=who)
+        return x.reshape(-1, x.shape[-1]), True, _fake_dtype(t), tuple(x.shape)
     if _is_float8(t):
         x = _dequantize_float8(t, rowwise=trans_needs_rowwise, who=who)
         return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1), True, _fake_dtype(t), tuple(x.shape)
@@ -610,13 +763,13 @@ def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_ty
 
 def _norm_output(y32, ln_out, quantizer, otype):
     if ln_out is not None:
-        if _is_float8(ln_out):
+        if _is_float8(ln_out) or _is_mxfp8(ln_out):
             return quantize(y32, quantizer if quantizer is not None else ln_out._quantizer, ln_out)
         ln_out.copy_(y32.reshape(ln_out.shape).to(ln_out.dtype))
         return ln_out
     if quantizer is not None:
         kind = _quantizer_kind(quantizer)
-        # FP8 delayed scaling: fully fused, cast from fp32; current scaling: norm in out dtype, then cast.
+        # FP8 delayed scaling: fully fused, cast from fp32; current scaling / MXFP8: norm in out dtype, then cast.
         src = y32 if kind == "Float8Quantizer" else y32.to(_torch_dtype(otype))
         return quantize(src, quantizer)
     return y32.to(_torch_dtype(otype))
