@@ -122,8 +122,8 @@ def test_current_scaling_scale_from_amax():
 def test_an_op_the_shim_lacks_says_so_by_name():
     with pytest.raises(NotImplementedError, match="transformer_engine_torch.fused_rope_forward"):
         tex.fused_rope_forward(torch.zeros(1))
-    with pytest.raises(NotImplementedError, match="MXFP8Quantizer"):
-        tex.quantize(torch.zeros(1), type("MXFP8Quantizer", (), {})())
+    with pytest.raises(NotImplementedError, match="Float8BlockQuantizer"):
+        tex.quantize(torch.zeros(1), type("Float8BlockQuantizer", (), {})())
 
 
 # -- with TE's Python loaded (one fresh rank) ----------------------------------------------------------------
