@@ -23,26 +23,14 @@ _SOURCES = (
 
 
 def check() -> list[str]:
-    import importlib.util
-    from pathlib import Path
-
     from ..engine.versions import installed_version
+    from . import missing_from_sources, package_root
 
     version = f"accelerate {installed_version('accelerate')}"
-    spec = importlib.util.find_spec("accelerate")
-    if spec is None or spec.origin is None:
+    root = package_root("accelerate")
+    if root is None:
         return [f"{version}: accelerate not found"]
-    root = Path(spec.origin).parent
-    problems = []
-    for name, text in _SOURCES:
-        try:
-            source = (root / name).read_text()
-        except OSError:
-            problems.append(f"{version}: accelerate/{name} is gone")
-            continue
-        if text not in source:
-            problems.append(f"{version}: internal {text!r} is gone from accelerate/{name}")
-    return problems
+    return missing_from_sources(root, _SOURCES, version)
 
 
 def prepared_models(accelerator) -> list:

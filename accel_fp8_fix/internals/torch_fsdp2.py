@@ -27,23 +27,12 @@ _SOURCES = (
 
 
 def check() -> list[str]:
-    import importlib.util
-    from pathlib import Path
+    from . import missing_from_sources, package_root
 
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
+    root = package_root("torch")
+    if root is None:
         return [f"{_version()}: torch not found"]
-    folder = Path(spec.origin).parent / "distributed" / "fsdp" / "_fully_shard"
-    problems = []
-    for name, text in _SOURCES:
-        try:
-            source = (folder / name).read_text()
-        except OSError:
-            problems.append(f"{_version()}: FSDP2 internal module {name} is gone")
-            continue
-        if text not in source:
-            problems.append(f"{_version()}: FSDP2 internal {text!r} is gone from {name}")
-    return problems
+    return missing_from_sources(root / "distributed" / "fsdp" / "_fully_shard", _SOURCES, _version())
 
 
 def fsdp_params(model) -> list:

@@ -292,7 +292,7 @@ def test_a_renamed_private_internal_refuses_the_whole_set_naming_it_and_the_vers
     tamper = "import accel_fp8_fix.internals.torch_fsdp2 as f; f._SOURCES += (('_fsdp_param.py', 'self._module_info_renamed'),)"
     got = _probe(tamper)
     assert got["patch_set"] is None and not got["prepare_wrapped"]  # accelerate untouched
-    assert "FSDP2 internal 'self._module_info_renamed' is gone from _fsdp_param.py" in got["error"]
+    assert "internal 'self._module_info_renamed' is gone from _fully_shard/_fsdp_param.py" in got["error"]
     assert f"torch {installed_version('torch')}" in got["error"]
     assert "not applied (accelerate left untouched" in got["error"]
 
