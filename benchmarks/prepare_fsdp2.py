@@ -181,9 +181,12 @@ def _prepare_timed(dim, hidden, depth):
 
 def _reset_te_global_state():
     """TE's global amax buffers outlive a model: forget the previous models' before counting."""
-    import transformer_engine.pytorch as te
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:  # TE < 2.9
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-    te.FP8GlobalStateManager.reset()
+    FP8GlobalStateManager.reset()
 
 
 def _steps(acc, model, opt, dim, steps):

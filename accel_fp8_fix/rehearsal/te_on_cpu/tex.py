@@ -201,7 +201,7 @@ class CommOverlapHelper(_NotOnCpu):
 _STATS: Counter = Counter()
 _STAT_KEYS = ("fp8_gemms", "fp8_gemms_fwd", "fp8_gemms_bwd", "non_fp8_gemms", "non_fp8_gemms_fwd",
               "non_fp8_gemms_bwd", "amax_reductions", "amax_reductions_fwd", "amax_reductions_bwd",
-              "scale_updates")
+              "amax_elements_reduced", "scale_updates")
 _GROUPS: list = []
 
 
