@@ -60,7 +60,8 @@ def main(steps):
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
     except Exception as exc:  # what stock accelerate does (run with DEMO_PATCHES=off)
-        accelerator.print(f"prepare() failed: {type(exc).__name__}: {exc}")
+        # Every rank says it: the first rank to exit makes the launcher stop the others, rank 0 included.
+        print(f"[rank {accelerator.process_index}] prepare() failed: {type(exc).__name__}: {exc}", flush=True)
         raise SystemExit(1)
 
     dp_rank = mesh["dp_shard"].get_local_rank()
