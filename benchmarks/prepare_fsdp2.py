@@ -103,7 +103,7 @@ def make_accelerator():
     GradientState._reset_state()
     _reset_te_global_state()
     rehearsal.activate()
-    # fp32 around the (emulated) FP8 GEMMs: accelerate's default bf16 param dtype makes the stock run's
+    # fp32 around the FP8 GEMMs (CPU kernel shim): accelerate's default bf16 param dtype makes the stock run's
     # high-precision GEMMs ~10x slower on CPU; prepare itself does not depend on it (it applies at unshard).
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: sets up, then trains the demo with FSDP2 + TE FP8 on 2 CPU processes (gloo, TE emulation).
+# The main job: sets up, then trains the demo with FSDP2 + TE FP8 on 4 CPU processes (gloo, TE's real Python on the CPU kernel shim).
 # DEMO_PATCHES=off runs the same with accel_fp8_fix disabled, to show what stock accelerate does.
 set -euo pipefail
 cd "$(dirname "$0")/.."

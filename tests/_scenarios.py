@@ -3,7 +3,7 @@
 Every scenario is a module-level function ``scenario(rank, world_size, **kwargs) -> dict`` that builds a real
 ``Accelerator`` (through :func:`make_accelerator`, which asserts the distributed type and mesh it expects,
 so nothing falls back silently), runs accelerate's own code and returns *measurable facts*: distributed
-type, mesh, parameter types / placements, the error ``prepare()`` raised (or ``None``), emulation counters,
+type, mesh, parameter types / placements, the error ``prepare()`` raised (or ``None``), kernel-shim counters,
 losses. Tests assert on the facts; the same scenario re-run with the fixes on flips those assertions.
 
 Several scenarios run in one launch (a launch costs seconds): :func:`suite` runs a plan of
@@ -12,9 +12,9 @@ Several scenarios run in one launch (a launch costs seconds): :func:`suite` runs
 pay once. The process group survives between scenarios of a launch (the first rehearsal ``Accelerator``
 creates it; ``PartialState`` reuses an initialised one).
 
-Environments (``env=`` of ``run_distributed``): :data:`ENV_STOCK` (no fixes, no emulation, no
-rehearsal), :data:`ENV_REHEARSAL` (no fixes, TE emulation + rehearsal via the ``.pth`` bootstrap),
-:data:`ENV_FIXED` (fixes on + emulation + rehearsal). Scenarios also call :func:`ensure_rehearsal` so
+Environments (``env=`` of ``run_distributed``): :data:`ENV_STOCK` (no fixes, no TE on CPU, no
+rehearsal), :data:`ENV_REHEARSAL` (no fixes, TE's Python on CPU + rehearsal via the ``.pth`` bootstrap),
+:data:`ENV_FIXED` (fixes on + TE's Python on CPU + rehearsal). Scenarios also call :func:`ensure_rehearsal` so
 they state which gate setting they expect.
 
 ``python tests/_scenarios.py --out FILE`` (run by ``accelerate launch``) is the launched-script mode:
@@ -734,7 +734,7 @@ def run_plan(module, rank, world_size, plan):
 
 
 def meta_facts() -> dict:
-    """Which layers were on in this rank: the fix set, the rehearsal wrappers, the TE emulation."""
+    """Which layers were on in this rank: the fix set, the rehearsal wrappers, TE's Python on CPU."""
     from accel_fp8_fix.rehearsal import gates, te_on_cpu
 
     return {"fixes_active": fixes_active(), "rehearsal_applied": gates.is_applied(), "te_on_cpu": te_on_cpu.is_installed()}

@@ -1,4 +1,4 @@
-"""The CPU rehearsal gates (accel_fp8_fix.emulation.rehearsal): accelerate's real FSDP2 / TP code on gloo ranks.
+"""The CPU rehearsal gates (accel_fp8_fix.rehearsal.gates): accelerate's real FSDP2 / TP code on gloo ranks.
 
 Multi-rank facts come from two shared launches (tests/_scenarios.py: PLAN_2RANK on 2 ranks, PLAN_4RANK on 4),
 run with the fixes OFF (ACCEL_FP8_FIX=0) so that only the gates differ from stock accelerate.

@@ -1,4 +1,4 @@
-"""Stock accelerate failures, reproduced on CPU ranks: ACCEL_FP8_FIX=0 (no fixes) + TE emulation + rehearsal.
+"""Stock accelerate failures, reproduced on CPU ranks: ACCEL_FP8_FIX=0 (no fixes) + TE's real Python on CPU + rehearsal.
 
 These are the "before" of the fixes: each scenario lives in tests/_scenarios.py and returns facts, so the
 same scenario re-run with ENV_FIXED flips these assertions. The launches are shared with test_rehearsal.py
