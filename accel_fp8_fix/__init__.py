@@ -19,7 +19,17 @@ from ._api import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["activate", "deactivate", "report", "Report", "UnsupportedVersionError", "PatchError", "__version__"]
+__all__ = ["activate", "deactivate", "report", "Report", "UnsupportedVersionError", "PatchError", "audit", "__version__"]
+
+
+def __getattr__(name):
+    """``audit`` (accel_fp8_fix.diagnostics.audit.audit) loads on first use: this import stays free of torch."""
+    if name == "audit":
+        from .diagnostics.audit import audit
+
+        return audit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Submodules imported before this package object existed (see _bootstrap: a rehearsal-only start-up
 # hands the package back to the user's own import) stay reachable as attributes.

@@ -68,12 +68,35 @@ def doctor(as_json: bool = False) -> int:
     return 0 if selection.supported else 1
 
 
+def doctor_launch(path: str, as_json: bool = False) -> int:
+    """``doctor --launch CONFIG.yaml``: the verdict on an accelerate config file (diagnostics/launch_check.py)."""
+    from .diagnostics.launch_check import check_launch_config
+
+    try:
+        verdict = check_launch_config(path)
+    except (OSError, ValueError) as exc:
+        print(f"accel_fp8_fix doctor --launch: cannot read {path}: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        from dataclasses import asdict
+
+        print(json.dumps({"path": path, "ok": verdict.ok, "failed": verdict.failed,
+                          "checks": [asdict(c) for c in verdict.checks]}, indent=2))
+    else:
+        print(verdict)
+    return 0 if verdict.ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="accel-fp8-fix", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="print versions, the chosen patch set and why, and the activation mode")
     doc.add_argument("--json", action="store_true", help="machine-readable output")
+    doc.add_argument("--launch", metavar="CONFIG.yaml",
+                     help="check an accelerate config file: will it run FP8 with the fixes? (exit 1 when not)")
     args = parser.parse_args(argv)
+    if args.command == "doctor" and args.launch:
+        return doctor_launch(args.launch, as_json=args.json)
     if args.command == "doctor":
         return doctor(as_json=args.json)
     return 2  # pragma: no cover

@@ -1,1 +1,23 @@
-"""Collectives that name their group explicitly, and the cross-rank agreement check."""
+"""Collectives that name their group explicitly, and the cross-rank agreement check.
+
+Public, for your own hooks and callbacks (semantics per placement: docs/troubleshooting.md)::
+
+    from accel_fp8_fix.distributed import broadcast, all_reduce, all_gather
+    broadcast(dtensor)                       # along its replicated mesh dims, from each group's first rank
+    all_reduce(grad, mesh, "dp_shard")       # a plain tensor: say where it lives (mesh + dims, or group=)
+    full = all_gather(dtensor)               # the full tensor, as a plain tensor
+
+They never hand a DTensor to c10d and never promote a plain tensor to a DTensor (that would assume it is
+replicated). Loaded on first use: importing this package does not import torch.
+"""
+
+_PUBLIC = ("broadcast", "all_reduce", "all_gather", "group_of", "CollectiveError")
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        from . import collectives
+
+        return getattr(collectives, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

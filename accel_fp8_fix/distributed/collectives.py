@@ -32,6 +32,9 @@ __all__ = [
     "to_global_rank",
     "mesh_dims",
     "is_dtensor",
+    "broadcast",
+    "all_reduce",
+    "all_gather",
     "broadcast_",
     "all_reduce_",
     "broadcast_variable",
@@ -396,3 +399,138 @@ def all_gather_object(obj: Any, *, mesh=None, dims=None, group=None, name: str |
     dist.all_gather_object(out, obj, group=group)
     return out
 
+
+
+# ------------------------------------------------------------------------------------------------ public API
+# broadcast / all_reduce / all_gather for users' own hooks and callbacks (docs/troubleshooting.md). They take a
+# plain tensor or a DTensor plus a DeviceMesh (or some of its dims) and never hand a DTensor to c10d.
+#
+# Semantics per placement, for a DTensor (``mesh`` defaults to its own mesh):
+#   * broadcast / all_reduce act along its *replicated* mesh dims only (``dims=None``): the ranks holding the
+#     same shard agree (broadcast) or combine their copies (all_reduce). Naming a dim the DTensor is sharded
+#     (or partial) on is refused: a shard is not a replica. A DTensor replicated on no dim: nothing to do.
+#   * all_gather returns the full tensor (``dims=None``) or the tensor made Replicate on ``dims`` only, as a
+#     plain local tensor, through DTensor's own redistribution on its mesh.
+# For a plain tensor the caller names where it lives: ``mesh`` (and ``dims``, default all) or ``group``. A plain
+# tensor is never promoted to a DTensor on the caller's behalf: promotion (``DTensor.from_local(t, mesh,
+# [Replicate()])``) asserts that every rank holds the same value, which is false for a shard, a per-rank
+# gradient or an amax, and the result would be silently wrong instead of an error.
+
+
+def _dtensor_dims(tensor, mesh, dims, op: str, label: str):
+    """(mesh, dim indices) on the DTensor's own mesh: ``dims`` (names/indices) or its replicated dims."""
+    dt_mesh = tensor.device_mesh
+    if mesh is not None and mesh != dt_mesh:
+        names = tuple(mesh.mesh_dim_names or ())
+        own = tuple(dt_mesh.mesh_dim_names or ())
+        if not names or not set(names) <= set(own) or dims is not None:
+            raise CollectiveError(
+                f"accel_fp8_fix: {op} of DTensor {label}: mesh {mesh} is not its device mesh {dt_mesh}; pass its "
+                "own mesh (or none) and dims= by name"
+            )
+        dims = names  # a sub-mesh of the DTensor's mesh, e.g. mesh["dp_shard"]: its dims, by name
+    if dims is None:
+        return dt_mesh, tuple(d for d, p in enumerate(tensor.placements) if p.is_replicate())
+    return dt_mesh, mesh_dims(dt_mesh, dims)
+
+
+def _group_src(group, src, group_src, label, op) -> int:
+    if src is not None and group_src is not None:
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: pass src= (a global rank) or group_src=, not both")
+    if src is not None:
+        return _src_in_group(group, src, label, op)
+    group_src = 0 if group_src is None else group_src
+    size = len(group_ranks(group))
+    if not 0 <= group_src < size:
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: group_src={group_src} is outside a group of {size}")
+    return group_src
+
+
+def _plan(tensor, mesh, dims, group, name, op):
+    """(local tensor, group or None when there is nothing to do) for the public collectives."""
+    label = _label(name, tensor)
+    if is_dtensor(tensor) and group is None:
+        dt_mesh, idx = _dtensor_dims(tensor, mesh, dims, op, label)
+        if not idx:
+            return tensor.to_local(), None  # replicated on no mesh dim: every rank holds a distinct shard
+        return _resolve(tensor, mesh=dt_mesh, dims=idx, group=None, name=name, op=op)
+    if not is_dtensor(tensor) and isinstance(tensor, torch.Tensor) and group is None and mesh is None:
+        raise CollectiveError(
+            f"accel_fp8_fix: {op} of {label}: a plain tensor needs the mesh (and dims) or group it is {op}ed over. "
+            "It is not promoted to a DTensor: that would assume it is replicated, which is wrong for a shard"
+        )
+    return _resolve(tensor, mesh=mesh, dims=dims, group=group, name=name, op=op)
+
+
+def broadcast(tensor, mesh=None, dims=None, *, src: int | None = None, group_src: int | None = None, group=None,
+              name: str | None = None):
+    """Broadcast ``tensor`` in place and return it.
+
+    DTensor: along its replicated mesh dims (or ``dims``, which must be replicated), its local tensor, from
+    the first rank of each group (``group_src``, default 0, or ``src`` = a GLOBAL rank). Plain tensor: over
+    ``mesh`` (``dims`` default all) or ``group``. Every rank of the group calls it with the same shape.
+    """
+    local, group = _plan(tensor, mesh, dims, group, name, "broadcast")
+    if group is None:
+        return tensor
+    root = _group_src(group, src, group_src, _label(name, tensor), "broadcast")
+    with torch.no_grad():
+        _broadcast_plain(local, group, root)
+    return tensor
+
+
+def all_reduce(tensor, mesh=None, dims=None, *, op=None, group=None, name: str | None = None):
+    """All-reduce ``tensor`` in place (``op`` default SUM) and return it.
+
+    DTensor: its local tensor along its replicated mesh dims (or ``dims``, which must be replicated): the
+    replicas combine their values, shards are never summed into each other. Plain tensor: over ``mesh``
+    (``dims`` default all) or ``group``.
+    """
+    local, group = _plan(tensor, mesh, dims, group, name, "all_reduce")
+    if group is None:
+        return tensor
+    op = dist.ReduceOp.SUM if op is None else op
+    with torch.no_grad():
+        if local.is_contiguous():
+            dist.all_reduce(local, op=op, group=group)
+        else:
+            buf = local.contiguous()
+            dist.all_reduce(buf, op=op, group=group)
+            local.copy_(buf)
+    return tensor
+
+
+def all_gather(tensor, mesh=None, dims=None, *, group=None, name: str | None = None) -> torch.Tensor:
+    """Gather and return a plain tensor (``tensor`` is not modified).
+
+    DTensor: the full global tensor (``dims=None``), or the tensor made Replicate on ``dims`` only (its other
+    placements kept), as this rank's local tensor; partial values are reduced. The DTensor's own
+    redistribution does it on its mesh's groups (functional collectives on local tensors). Plain tensor:
+    every rank's tensor over ``mesh``/``dims`` or ``group``, stacked in group-rank order: shape
+    ``(group size, *tensor.shape)``; all ranks pass the same shape.
+    """
+    label = _label(name, tensor)
+    if is_dtensor(tensor) and group is None:
+        from torch.distributed.tensor import Replicate
+
+        dt_mesh = tensor.device_mesh
+        if mesh is not None and mesh != dt_mesh:
+            dt_mesh, idx = _dtensor_dims(tensor, mesh, None, "all_gather", label)
+        else:
+            idx = tuple(range(dt_mesh.ndim)) if dims is None else mesh_dims(dt_mesh, dims)
+        if dt_mesh.get_coordinate() is None:
+            raise CollectiveError(f"accel_fp8_fix: all_gather of DTensor {label}: rank {dist.get_rank()} is not in its mesh")
+        placements = [Replicate() if d in idx else p for d, p in enumerate(tensor.placements)]
+        with torch.no_grad():
+            return tensor.detach().redistribute(dt_mesh, placements).to_local()
+    if is_dtensor(tensor):
+        raise CollectiveError(
+            f"accel_fp8_fix: all_gather of DTensor {label}: group= is for plain tensors; a DTensor is gathered on "
+            "its own mesh (dims=)"
+        )
+    local, group = _plan(tensor, mesh, dims, group, name, "all_gather")
+    size = len(group_ranks(group))
+    out = torch.empty((size, *local.shape), dtype=local.dtype, device=local.device)
+    with torch.no_grad():
+        dist.all_gather(list(out.unbind(0)), local.contiguous(), group=group)
+    return out

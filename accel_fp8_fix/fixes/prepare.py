@@ -61,6 +61,16 @@ def _the_model(objects):
 
 
 def prepare(wrapped, instance, args, kwargs):
+    try:
+        return _prepare(wrapped, instance, args, kwargs)
+    except Exception as exc:  # a known DTensor / TE error gets a note (same exception, re-raised): diagnostics/notes.py
+        from ..diagnostics.notes import annotate
+
+        annotate(exc, _the_model(args), "Accelerator.prepare")
+        raise
+
+
+def _prepare(wrapped, instance, args, kwargs):
     if not getattr(instance, "_accel_fp8_fix_agreed", False):
         check_patch_set_agreement(active_patch_set())
         instance._accel_fp8_fix_agreed = True
@@ -77,6 +87,9 @@ def prepare(wrapped, instance, args, kwargs):
     prepared = _the_model(result if isinstance(result, (tuple, list)) else (result,))
     if prepared is not None:
         instance.accel_fp8_fix = finish_fp8_prepare(instance, prepared)
+        from ..diagnostics.notes import after_prepare
+
+        after_prepare(instance, prepared, instance.accel_fp8_fix)  # audit(model), forward notes, ACCEL_FP8_FIX_AUDIT
     return result
 
 
