@@ -156,7 +156,8 @@ def _user_broadcast(param):
 
 
 def sc_user_hook_errors(rank, world_size):
-    """Fixes on: a user forward pre-hook and a user backward hook hand a DTensor parameter to dist.broadcast."""
+    """Fixes on: a user forward pre-hook, optimizer step pre-hook and backward hook hand a DTensor parameter to
+    dist.broadcast."""
     import torch
 
     S.ensure_rehearsal(True)
@@ -173,6 +174,13 @@ def sc_user_hook_errors(rank, world_size):
     handle = model.register_forward_pre_hook(lambda mod, args: _user_broadcast(weight))
     facts["forward"] = _catch(lambda: model(**_batch(mesh)))
     handle.remove()
+    # a user's optimizer step pre-hook: the error escapes AcceleratedOptimizer.step
+    loss = model(**_batch(mesh)).loss
+    acc.backward(loss)
+    hook = opt.optimizer.register_step_pre_hook(lambda o, args, kwargs: _user_broadcast(weight))
+    facts["step"] = _catch(opt.step)
+    hook.remove()
+    opt.zero_grad()
 
     def backward_step():
         loss = model(**_batch(mesh)).loss

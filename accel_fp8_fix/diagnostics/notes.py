@@ -282,10 +282,14 @@ def install_forward_notes(model) -> None:
 
 
 def _model_of(accelerator):
-    from ..internals.accelerate_internals import prepared_models
+    """The accelerator's one prepared model, else None (never raises: it runs while an error propagates)."""
+    try:
+        from ..internals.accelerate_internals import prepared_models
 
-    models = prepared_models(accelerator)
-    return models[0] if len(models) == 1 else None
+        models = prepared_models(accelerator)
+        return models[0] if len(models) == 1 else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _noting(where):

@@ -80,7 +80,7 @@ def test_user_hooks_handing_a_dtensor_to_c10d_get_a_note_naming_the_parameter_an
     for f in S.facts_of(fixed, "sc_user_hook_errors"):
         assert f["weight_is_dtensor"]
         assert any(s in f["direct"]["str"] for s in D.SEED_ERRORS)
-        for where, key in (("forward", "forward"), ("Accelerator.backward", "backward")):
+        for where, key in (("forward", "forward"), ("optimizer.step", "step"), ("Accelerator.backward", "backward")):
             _same_error_with_a_note(f[key], f["direct"], (
                 f"({where})", "parameter model.layers.0.self_attn.q_proj.weight", "your own code",
                 "_diagnostics_scenarios.py", "in _user_broadcast", USER_FIX))

@@ -269,3 +269,42 @@ def test_diagnostic_patches_apply_with_the_set():
                    "accelerate.optimizer:AcceleratedOptimizer.step", "accelerate.accelerator:Accelerator.save_state",
                    "accelerate.accelerator:Accelerator.load_state"):
         assert status[target] == "applied", status
+
+
+def test_patched_wrappers_note_the_same_exception_and_never_replace_it():
+    """The wrappers of patches/*.toml and the patched prepare: a known error leaves with a note, unchanged;
+    an unknown one leaves untouched; a broken accelerator object does not turn the error into another."""
+    from accel_fp8_fix.fixes import prepare as fix_prepare
+
+    original = RuntimeError(MIXED)
+
+    def wrapped(*args, **kwargs):
+        raise original
+
+    model = nn.Linear(16, 16)
+    accelerator = SimpleNamespace(_accel_fp8_fix_agreed=True, fp8_backend=None, _models=[model])
+    cases = [
+        (fix_prepare.prepare, (model,), "(Accelerator.prepare)"),
+        (notes.backward, (), "(Accelerator.backward)"),
+        (notes.clip_grad_norm_, (), "(Accelerator.clip_grad_norm_)"),
+        (notes.save_state, (), "(Accelerator.save_state)"),
+        (notes.load_state, (), "(Accelerator.load_state)"),
+        (notes.optimizer_step, (), "(optimizer.step)"),
+    ]
+    for wrapper, args, where in cases:
+        original.__notes__ = []
+        setattr(original, notes.NOTED, False)
+        with pytest.raises(RuntimeError) as info:
+            wrapper(wrapped, accelerator, args, {})
+        assert info.value is original and str(info.value) == MIXED
+        assert len(original.__notes__) == 1 and where in original.__notes__[0], (where, original.__notes__)
+    with pytest.raises(RuntimeError) as info:  # no _models on this object: the error is still the original
+        notes.backward(wrapped, object(), (), {})
+    assert info.value is original
+
+    def other(*args, **kwargs):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError) as info:
+        notes.save_state(other, accelerator, (), {})
+    assert not hasattr(info.value, "__notes__")
