@@ -1,0 +1,112 @@
+"""Several ranks on ONE GPU through ``accelerate launch`` with the config flag (``fp8_config: {accel_fp8_fix:
+true}``): FSDP2 (dp_shard N) or FSDP2 x TP, real Transformer Engine FP8, a few training steps, then every
+rank's FP8 scaling state compared. The script never imports accel_fp8_fix: the config flag activates it.
+
+NCCL refuses two ranks on one device, so the process group is made here with the backend gpu_kit's probe
+found working (gloo: CUDA tensors through host memory), before accelerate makes its own; and every rank is
+told it is local rank 0 (accelerate would put rank r on cuda:r). Rank 0 prints ``RANKS_RESULT {json}``.
+Usage (gpu_kit.gpu_run does this): accelerate launch --config_file X gpu_kit/ranks_job.py <backend> <steps>
+"""
+
+import os
+import sys
+
+os.environ["LOCAL_RANK"] = "0"  # before accelerate is imported: every rank on cuda:0
+
+import json  # noqa: E402
+import math  # noqa: E402
+from datetime import timedelta  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def build_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def shard_tensor_parallel(model, tp_mesh):
+    """transformers' own TP plan on the accelerator's "tp" mesh (as examples/demo.py does)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))[0]
+    apply_tensor_parallelism(model, tp_mesh, plan)
+    model._tp_size = tp_mesh.size()
+    return model
+
+
+def fp8_state(model) -> dict:
+    state = {}
+    for name, module in model.named_modules():
+        meta = getattr(module, "fp8_meta", None)
+        if not meta:
+            continue
+        for key in ("scaling_fwd", "scaling_bwd"):
+            if key in meta:
+                state[f"{name}.{key}.scale"] = meta[key].scale.detach().float().cpu().tolist()
+                state[f"{name}.{key}.amax_history"] = meta[key].amax_history.detach().float().cpu().tolist()
+    return state
+
+
+def main(backend: str, steps: int) -> None:
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=90))
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = accelerator.torch_device_mesh
+    names = tuple(mesh.mesh_dim_names) if mesh is not None else ()
+    model = build_model()
+    if "tp" in names and mesh["tp"].size() > 1:
+        model = shard_tensor_parallel(model, mesh["tp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    setup = getattr(accelerator, "accel_fp8_fix", None)
+
+    dp_rank = mesh["dp_shard"].get_local_rank() if "dp_shard" in names else rank
+    generator = torch.Generator().manual_seed(100 + dp_rank)
+    ids = torch.randint(0, 1024, (4, 64), generator=generator).to(accelerator.device)
+    te_modules = [m for m in model.modules() if type(m).__module__.startswith("transformer_engine.")
+                  and hasattr(m, "fp8_meta")]
+    losses, fp8_active = [], []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+        fp8_active.append(bool(te_modules) and all(m.fp8 for m in te_modules))
+    torch.cuda.synchronize()
+
+    states = [None] * world
+    dist.all_gather_object(states, fp8_state(model))
+    if rank == 0:
+        unequal = sorted(k for k in states[0] if any(s.get(k) != states[0][k] for s in states[1:]))
+        moved = sum(1 for k, v in states[0].items() if k.endswith(".scale") and any(x != 1.0 for x in v))
+        import accel_fp8_fix
+
+        report = accel_fp8_fix.report()
+        result = {
+            "backend": backend, "world_size": world, "mesh": dict(zip(names, mesh.shape)) if mesh is not None else {},
+            "distributed_type": str(accelerator.distributed_type), "device": str(accelerator.device),
+            "activated_by": report.mode, "patch_set": report.patch_set, "fixes_active": setup is not None,
+            "te_modules": len(te_modules), "losses": losses, "losses_finite": all(map(math.isfinite, losses)),
+            "fp8_active_each_step": fp8_active, "fp8_state_entries": len(states[0]), "scales_moved": moved,
+            "equal_fp8_state_across_ranks": not unequal and bool(states[0]), "unequal": unequal[:10],
+            "amax_group_ranks": list(setup.amax_group_ranks) if setup is not None else None,
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+        }
+        print("RANKS_RESULT " + json.dumps(result), flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "cuda:gloo,cpu:gloo", int(sys.argv[2]) if len(sys.argv) > 2 else 3)

@@ -1,0 +1,78 @@
+"""Which backend can run several ranks on ONE GPU (torchrun worker; no Transformer Engine needed).
+
+NCCL refuses two ranks on the same device; gloo moves CUDA tensors through host memory. Each collective
+FSDP2 and TE use is tried on CUDA tensors and its values checked. Prints one ``RANKS_PROBE {json}`` line
+per rank. Usage: ``torchrun --nproc_per_node 2 gpu_kit/ranks_probe.py gloo``.
+"""
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def main(backend: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    result = {"backend": backend, "rank": rank, "world_size": world, "ops": {}}
+
+    def attempt(name, run):
+        try:
+            result["ops"][name] = "ok" if run() else "wrong values"
+        except Exception as exc:  # noqa: BLE001  (the answer is the error)
+            result["ops"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    def all_reduce():
+        x = torch.full((8,), float(rank + 1), device=device)
+        dist.all_reduce(x)
+        return torch.equal(x, torch.full((8,), float(world * (world + 1) // 2), device=device))
+
+    def all_reduce_max():
+        x = torch.full((8,), float(rank + 1), device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return torch.equal(x, torch.full((8,), float(world), device=device))
+
+    def all_gather_into_tensor():
+        out = torch.empty(8 * world, device=device)
+        dist.all_gather_into_tensor(out, torch.full((8,), float(rank), device=device))
+        return torch.equal(out, torch.arange(world, device=device).float().repeat_interleave(8))
+
+    def reduce_scatter_tensor():
+        out = torch.empty(8, device=device)
+        dist.reduce_scatter_tensor(out, torch.arange(8 * world, device=device).float())
+        return torch.equal(out, world * torch.arange(8 * rank, 8 * rank + 8, device=device).float())
+
+    def broadcast():
+        x = torch.full((8,), float(rank), device=device)
+        dist.broadcast(x, src=0)
+        return torch.equal(x, torch.zeros(8, device=device))
+
+    def all_gather_list():
+        outs = [torch.empty(8, device=device) for _ in range(world)]
+        dist.all_gather(outs, torch.full((8,), float(rank), device=device))
+        return all(torch.equal(o, torch.full((8,), float(r), device=device)) for r, o in enumerate(outs))
+
+    try:
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=30), **kwargs)
+        result["init"] = "ok"
+        for name, run in (("all_reduce", all_reduce), ("all_reduce_max", all_reduce_max),
+                          ("all_gather_into_tensor", all_gather_into_tensor),
+                          ("reduce_scatter_tensor", reduce_scatter_tensor), ("broadcast", broadcast),
+                          ("all_gather", all_gather_list)):
+            attempt(name, run)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        result["init"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    finally:
+        print("RANKS_PROBE " + json.dumps(result), flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "gloo")

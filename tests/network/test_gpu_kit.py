@@ -1,0 +1,213 @@
+"""GPU truth kit (gpu_kit/, docs/gpu.md): everything of it that needs no GPU.
+
+* Always (seconds, no network): a bundle cut into parts by the builder's own code is reassembled byte for
+  byte; a flipped byte, a missing part and a file the manifest does not list are refused by name; a kit's
+  device commands fit the device tool's limits (2,000 characters, 8 carried paths, 64 MiB with the tree).
+* With the kit built (``python -m gpu_kit build``: PyPI downloads and a ~1 h build of TE's torch extension on
+  2 cores; skipped until then, a failure under ``GPU_KIT_REQUIRED=1``): every part is at most 60 MiB and
+  verifies; the real runner's commands fit the limits; and the **CPU dry run** — the build venv's Python 3.12
+  with PyPI's CUDA torch 2.11.0 (the GPU machine's torch build) reassembles the parts, verifies them, installs
+  with ``pip --no-index --no-deps --target`` and imports ``transformer_engine.pytorch`` with the extension
+  built here loaded (Python loads an extension with every symbol bound, so a torch / TE-core ABI mismatch
+  fails here); the kit's site runs this package's .pth trampoline (the accelerate config flag path).
+  It cannot show anything a GPU decides: kernels, FP8 support, NCCL, the GPU machine's C/C++ runtime.
+* The throughput benchmark's logic, ``--tiny`` on CPU over TE's real Python and the CPU rehearsal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from gpu_kit import build, kit, plan  # noqa: E402
+
+
+def _kit_missing(reason: str):
+    if os.environ.get("GPU_KIT_REQUIRED", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"GPU_KIT_REQUIRED is set and {reason}")
+    pytest.skip(reason)
+
+
+# -- synthetic bundle: the builder's and the GPU side's code, small files ------------------------------------
+@pytest.fixture
+def small_kit(tmp_path):
+    pins = kit.load_pins()
+    pins["parts"]["max_mib"] = 3000 / kit.MIB  # parts of 3000 bytes
+    payloads = {"wheels/core.whl": os.urandom(7000), "wheels/python.whl": os.urandom(10),
+                "wheelhouse/dep.whl": os.urandom(2500)}
+    sources, files = {}, []
+    for index, (path, data) in enumerate(payloads.items()):
+        source = tmp_path / "src" / f"f{index}"
+        source.parent.mkdir(exist_ok=True)
+        source.write_bytes(data)
+        sources[path] = source
+        files.append({"path": path, "role": "wheelhouse" if "wheelhouse" in path else "te-core",
+                      "size": len(data), "sha256": kit.sha256_file(source), "import_name": "dep"})
+    parts_dir = tmp_path / "parts"
+    manifest = build.write_parts(pins, files, sources, {"wheel": "x"}, parts_dir=parts_dir, build_dir=tmp_path / "b")
+    return manifest, parts_dir, payloads
+
+
+def test_parts_reassemble_byte_for_byte(small_kit, tmp_path):
+    manifest, parts_dir, payloads = small_kit
+    assert len(manifest["parts"]) >= 4 and all(p["size"] <= 3000 for p in manifest["parts"])
+    extracted = kit.assemble(json.loads((parts_dir / "manifest.json").read_text()), parts_dir, tmp_path / "out")
+    assert {name: path.read_bytes() for name, path in extracted.items()} == payloads
+
+
+def test_a_flipped_byte_a_missing_part_and_an_unlisted_file_are_refused_by_name(small_kit, tmp_path):
+    manifest, parts_dir, _ = small_kit
+    part = parts_dir / "part-01"
+    original = part.read_bytes()
+    part.write_bytes(original[:100] + bytes([original[100] ^ 0xFF]) + original[101:])
+    with pytest.raises(kit.KitError, match=r"kit part part-01: sha256 .* carry it again"):
+        kit.assemble(manifest, parts_dir, tmp_path / "out")
+    part.unlink()
+    with pytest.raises(kit.KitError, match=r"part-01 \(2 of \d+\) is missing"):
+        kit.assemble(manifest, parts_dir, tmp_path / "out")
+
+    unlisted = dict(manifest, files=[f for f in manifest["files"] if f["path"] != "wheels/python.whl"])
+    part.write_bytes(original)
+    with pytest.raises(kit.KitError, match="'wheels/python.whl', which its manifest does not list"):
+        kit.assemble(unlisted, parts_dir, tmp_path / "out")
+
+
+def test_device_commands_of_a_full_size_kit_fit_the_device_tool(tmp_path):
+    """Six parts of 60 MiB (what a TE 2.20 kit needs): each command fits, carries its part and the manifest."""
+    parts_dir = tmp_path / "parts"
+    parts_dir.mkdir()
+    manifest = {"kit_format": kit.KIT_FORMAT, "parts": [{"name": f"part-{i:02d}", "size": 60 * kit.MIB,
+                                                         "sha256": "0" * 64} for i in range(6)]}
+    (parts_dir / "manifest.json").write_text(json.dumps(manifest))
+    steps = plan.commands(manifest, parts_dir)
+    assert [len(s["carry"]) for s in steps] == [2] * 6
+    assert all(len(s["command"]) <= plan.COMMAND_LIMIT for s in steps)
+    assert all(s["carry"][0].endswith(f"part-{i:02d}") for i, s in enumerate(steps))
+    assert "gpu_kit probe" in steps[0]["command"] and "gpu_kit run" in steps[-1]["command"]
+    assert steps[-1]["timeout_s"] <= 600 and plan.RUN_BUDGET_S < steps[-1]["timeout_s"]
+    tree = plan.tree_bytes()
+    problems = plan.check(steps, tree)
+    assert not [p for p in problems if "does not exist" not in p], problems  # the parts themselves are fake
+    assert tree + 60 * kit.MIB + 4096 <= plan.TRANSFER_LIMIT, f"the working tree ({tree} bytes) leaves no room"
+
+
+# -- the built kit ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def built():
+    if not kit.MANIFEST.is_file():
+        _kit_missing(f"the GPU kit is not built ({kit.MANIFEST} absent): python -m gpu_kit build")
+    return kit.load_manifest()
+
+
+def test_built_kit_parts_are_at_most_60_mib_and_verify(built):
+    pins = kit.load_pins()
+    assert built["pins_sha256"] == kit.pins_digest(), "gpu_kit/pins.toml changed since the kit was built: rebuild"
+    sizes = [p["size"] for p in built["parts"]]
+    assert max(sizes) <= 60 * kit.MIB and sum(sizes) == built["bundle"]["size"]
+    for index in range(len(built["parts"])):
+        kit.verify_part(built, index)
+    by_role = {f["role"]: f for f in built["files"]}
+    te = pins["transformer_engine"]
+    assert by_role["te-core"]["sha256"] == te["core_sha256"]  # PyPI's bytes, carried unchanged
+    assert by_role["te-python"]["sha256"] == te["python_sha256"]
+    assert by_role["te-torch-sdist"]["sha256"] == te["torch_sdist_sha256"]
+    ext = by_role["te-torch-ext"]
+    assert ext["path"].endswith(f"-{pins['target']['python_tag']}-{pins['target']['python_tag']}-linux_x86_64.whl")
+    assert built["extension"]["built_with"]["torch"] == pins["target"]["torch"]
+    assert built["extension"]["built_with"]["torch_cuda"] == pins["target"]["torch_cuda"]
+
+
+def test_runner_commands_fit_the_device_tool(built):
+    steps = plan.commands(built)
+    assert len(steps) == len(built["parts"])
+    assert plan.check(steps) == []
+    done = subprocess.run([sys.executable, "-m", "gpu_kit", "plan", "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    printed = json.loads(done.stdout)
+    assert [s["command"] for s in printed["steps"]] == [s["command"] for s in steps] and printed["problems"] == []
+
+
+@pytest.fixture(scope="module")
+def dry_run(built, tmp_path_factory):
+    python = Path(built["extension"].get("venv_python", ""))
+    if not python.is_file():
+        _kit_missing(f"the kit's build venv ({python}) is gone: python -m gpu_kit build")
+    work = tmp_path_factory.mktemp("gpu_kit_work")
+    env = dict(os.environ, GPU_KIT_WORK=str(work))
+    for variable in ("ACCEL_FP8_FIX", "ACCELERATE_FP8_ACCEL_FP8_FIX", "ACCEL_FP8_FIX_EMULATE_TE", "PYTHONPATH"):
+        env.pop(variable, None)
+    done = subprocess.run([str(python), "-m", "gpu_kit", "install", "--all-wheelhouse"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("GPU_KIT_INSTALL ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(lines[0].split(" ", 1)[1]), work, python
+
+
+def test_dry_run_installs_every_wheel_with_pip_no_index_no_deps_target(built, dry_run):
+    result, work, _ = dry_run
+    site = work / "site"
+    assert result["site"] == str(site)
+    wheels = {f["path"].split("/")[-1] for f in built["files"] if f["role"] in kit.TE_ROLES}
+    assert set(result["installed"]["te_wheels"]) == wheels
+    assert sorted(result["installed"]["wheelhouse_installed"]) == sorted(
+        f["path"] for f in built["files"] if f["role"] == "wheelhouse")
+    assert list(site.glob("transformer_engine_torch*.so")), sorted(p.name for p in site.iterdir())
+    assert (site / "transformer_engine" / "wheel_lib" / "libtransformer_engine.so").is_file()
+    assert (site / "accel_fp8_fix.pth").read_text() == (ROOT / "accel_fp8_fix.pth").read_text()
+
+
+def test_dry_run_imports_transformer_engine_pytorch_with_the_built_extension(built, dry_run):
+    result, work, _ = dry_run
+    probe = result["import"]
+    assert probe["import"] == "ok", probe
+    pins = kit.load_pins()
+    assert probe["torch"] == pins["target"]["torch"] and probe["torch_cuda"] == pins["target"]["torch_cuda"]
+    assert probe["cuda_available"] is False  # CPU: nothing GPU-side is decided here
+    assert probe["te_version"] == pins["transformer_engine"]["version"]
+    assert probe["extension_file"].startswith(str(work / "site")), probe["extension_file"]
+    assert probe["transformer_engine_file"].startswith(str(work / "site"))
+
+
+def test_dry_run_site_runs_the_trampoline_so_the_config_flag_reaches_workers(dry_run):
+    _, work, python = dry_run
+    env = kit.site_env(work / "site", base={k: v for k, v in os.environ.items()
+                                            if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_FP8"))})
+    env["ACCELERATE_FP8_ACCEL_FP8_FIX"] = "True"  # what accelerate launch exports for `accel_fp8_fix: true`
+    code = ("import sys; started = 'accel_fp8_fix' in sys.modules; import accelerate, accel_fp8_fix; "
+            "r = accel_fp8_fix.report(); print(started, r.mode, r.patch_set)")
+    done = subprocess.run([str(python), "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    started, mode, patch_set = done.stdout.split()[:3]
+    assert started == "True", done.stdout + done.stderr  # imported at start-up by the .pth, through sitecustomize
+    assert patch_set.startswith("accelerate-"), done.stdout
+    assert "config" in mode or "ACCELERATE_FP8" in mode, mode
+
+
+# -- the benchmark's logic on CPU ---------------------------------------------------------------------------
+def test_throughput_benchmark_runs_bf16_and_delayed_fp8_through_the_patched_prepare(tmp_path):
+    pytest.importorskip("transformer_engine")
+    pytest.importorskip("transformers")
+    table = tmp_path / "table.md"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--tiny", "--configs",
+                           "bf16,fp8-delayed,fp8-current", "--table", str(table), "--budget", "400"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=450)
+    rows = {r["config"]: r for r in (json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+                                     if line.startswith("BENCH_ROW "))}
+    assert done.returncode == 0 and set(rows) == {"bf16", "fp8-delayed", "fp8-current"}, \
+        done.stdout[-3000:] + done.stderr[-3000:]
+    assert rows["bf16"]["fp8_active"] is None and rows["bf16"]["te_modules"] == 0
+    for config, recipe in (("fp8-delayed", "DelayedScaling"), ("fp8-current", "Float8CurrentScaling")):
+        row = rows[config]
+        assert row["fixes_active"] and row["fp8_active"] and row["recipe"] == recipe, row
+        assert row["te_modules"] > 0 and row["fp8_gemms_per_step"] > 0, row
+        assert row["loss_finite"] and row["tokens_per_s"] > 0
+    assert table.read_text().count("\n") == 2 + len(rows)
