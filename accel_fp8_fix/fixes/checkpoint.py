@@ -21,9 +21,42 @@ def _reduce_pending(accelerator, models) -> None:
             reduce_pending_amax(model, setup.amax_group)
 
 
+def strided_tp_parameters(model) -> list:
+    """Names of parameters TP shards with ``_StridedShard`` (transformers' ``packed_colwise``: Qwen3-MoE's
+    fused expert ``gate_up_proj``). A rank holds two separate row ranges of such a parameter, which one DCP
+    chunk (offset + size) cannot describe: torch's planner reports overlapping chunks (A16)."""
+    names = []
+    for name, param in model.named_parameters():
+        placements = getattr(param, "placements", ())
+        dims = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ()
+        for dim_name, placement in zip(dims, placements):
+            if dim_name == "tp" and type(placement).__name__ == "_StridedShard":
+                names.append(name)
+    return names
+
+
+def _refuse_strided_sharded_save(accelerator, models) -> None:
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or "SHARDED" not in str(getattr(plugin, "state_dict_type", "")):
+        return
+    for model in models:
+        names = strided_tp_parameters(model)
+        if names:
+            raise ValueError(
+                f"accel_fp8_fix: save_state cannot write a sharded (DCP) checkpoint of {names[0]}"
+                f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}: tensor parallelism packs it "
+                "(_StridedShard on 'tp'), so each rank holds two row ranges that one DCP chunk cannot describe "
+                "(torch's planner would fail with 'overlapping chunks' after the other ranks started writing). "
+                "Use fsdp_state_dict_type FULL_STATE_DICT for this model, or save without TP."
+            )
+
+
 def save_state(wrapped, instance, args, kwargs):
-    """``Accelerator.save_state``: the pending (row 0) amax is MAX-reduced on the amax group first."""
-    _reduce_pending(instance, prepared_models(instance))
+    """``Accelerator.save_state``: the pending (row 0) amax is MAX-reduced on the amax group first; a sharded
+    save of a TP-packed parameter is refused up front, naming it (A16)."""
+    models = prepared_models(instance)
+    _refuse_strided_sharded_save(instance, models)
+    _reduce_pending(instance, models)
     return wrapped(*args, **kwargs)
 
 

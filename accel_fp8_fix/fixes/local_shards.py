@@ -1,22 +1,46 @@
 """TE kernels take local tensors: during a TE module's forward its DTensor parameters are swapped for their
 (autograd-connected) local shards, then put back — outside forward the model stays DTensor-native
 (optimizer, ``clip_grad_norm_``, DCP). Used for TE-native TP (te_convert) and for the parameters TP left
-plain, made ``Replicate`` DTensors (tp)."""
+plain, made ``Replicate`` DTensors (tp).
+
+``sum_grads``: the module sees only this rank's part of a TP-sharded activation (Qwen3's per-head
+``q_norm``), so each rank's gradient of its replicated parameter is partial: the local tensor passes
+through an identity whose backward all-reduces (sums) the gradient over the TP group — what transformers'
+``replicated_with_grad_allreduce`` style does with a hook that needs a leaf parameter.
+"""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..distributed.collectives import is_dtensor
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over ``group`` (named explicitly)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
 
 
 class _LocalShardsDuringForward:
     """Forward pre/post hooks: TE kernels take local tensors, so DTensor params are swapped for their
     (autograd-connected) local shards for the duration of the forward, then put back."""
 
-    def __init__(self, names, tp_mesh):
+    def __init__(self, names, tp_mesh, sum_grads=False):
         self.names = names
         self.tp_dims = tp_mesh.mesh_dim_names
+        self.sum_group = tp_mesh.get_group() if sum_grads else None
 
     def pre(self, module, args):
         saved = {}
@@ -31,7 +55,10 @@ class _LocalShardsDuringForward:
                     "FSDP2 did not unshard it (is the module outside every fully_shard unit?)"
                 )
             saved[name] = param
-            module._parameters[name] = param.to_local()
+            local = param.to_local()
+            if self.sum_group is not None and local.requires_grad:
+                local = _SumGradOverGroup.apply(local, self.sum_group)
+            module._parameters[name] = local
         module._accel_fp8_fix_saved_params = saved
 
     def post(self, module, args, output):
@@ -40,7 +67,7 @@ class _LocalShardsDuringForward:
         module._accel_fp8_fix_saved_params = {}
 
 
-def install_local_shards(module: nn.Module, names, tp_mesh) -> None:
-    hooks = _LocalShardsDuringForward(tuple(names), tp_mesh)
+def install_local_shards(module: nn.Module, names, tp_mesh, sum_grads: bool = False) -> None:
+    hooks = _LocalShardsDuringForward(tuple(names), tp_mesh, sum_grads)
     module.register_forward_pre_hook(hooks.pre)
     module.register_forward_hook(hooks.post, always_call=True)

@@ -7,6 +7,10 @@ DTensors on ``mesh["tp"]``. Here this package does that itself: each plain param
 module its local tensors (so a plain activation never meets a DTensor parameter), and the optimizer is
 pointed at the new Parameter objects. The model is then DTensor-native outside forward, so FSDP2's
 2-D sharding, ``clip_grad_norm_`` (A9) and DCP see one kind of tensor.
+
+A module transformers gave ``replicated_with_grad_allreduce`` (Qwen3 / Gemma3 ``q_norm`` / ``k_norm``) would
+register a gradient hook on the local tensor — not a leaf — at its first forward (A15): its forward goes
+back to the module's own, and the local tensor's backward sums the gradient over the TP group instead.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 
 from ..distributed.collectives import is_dtensor
 from ..internals.accelerate_internals import prepare_one
+from ..internals.transformers_tp import grad_allreduce_original_forward
 from .local_shards import install_local_shards
 from .te_convert import TP_ATTR
 
@@ -39,7 +44,13 @@ def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:
             module._parameters[name] = new
             mapping[old] = new
         setattr(module, TP_ATTR, (getattr(module, TP_ATTR, (None, None))[0], tp_mesh))
-        install_local_shards(module, names, tp_mesh)
+        original = grad_allreduce_original_forward(module)
+        if original is not None:  # transformers' gradient all-reduce hook needs a leaf: do that sum here instead
+            if getattr(original, "__func__", None) is type(module).forward:
+                del module.forward
+            else:
+                module.forward = original
+        install_local_shards(module, names, tp_mesh, sum_grads=original is not None)
     return mapping
 
 

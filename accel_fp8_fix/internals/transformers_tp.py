@@ -58,3 +58,23 @@ def style_layouts(style):
     if type(style).__name__ not in KNOWN_STYLES or not all(hasattr(style, a) for a in _STYLE_ATTRS):
         return None
     return style.input_layouts, style.output_layouts, style.use_local_output
+
+
+def grad_allreduce_original_forward(module):
+    """The module's own forward if transformers gave it the ``replicated_with_grad_allreduce`` style, else None.
+
+    That style (``ReplicatedWithGradAllReduce``: Qwen3 / Gemma3 ``q_norm`` / ``k_norm``, which see only this
+    rank's heads) keeps the parameter plain and, at each forward, registers a post-accumulate-grad hook on it
+    that all-reduces its gradient over the TP group — which needs the parameter to be a leaf. Raises (naming
+    the transformers version) when the style is recognised but its forward is no longer built as expected.
+    """
+    forward = module.__dict__.get("forward")
+    if forward is None or "ReplicatedWithGradAllReduce" not in getattr(forward, "__qualname__", ""):
+        return None
+    cells = dict(zip(getattr(forward, "__code__").co_freevars, forward.__closure__ or ()))
+    if "original_forward" not in cells:
+        raise RuntimeError(
+            f"accel_fp8_fix: {_version()}: ReplicatedWithGradAllReduce's tp_forward no longer closes over "
+            "`original_forward`; this package cannot take over its gradient all-reduce"
+        )
+    return cells["original_forward"].cell_contents

@@ -1,0 +1,228 @@
+"""Model zoo: tiny configs of the model families users train (transformers' own classes, no download),
+on every layout this package prepares (4 CPU ranks, gloo, Transformer Engine's real Python on CPU).
+
+``sc_zoo(family, layout)`` builds the family's model, shards it as the layout says (transformers 5.x TP
+with the model's own plan, then the patched ``prepare``), trains a few steps in FP8 and compares losses
+and clipped grad norms with the same model converted to TE and trained in one process on the full batch;
+then saves a checkpoint and loads it into a differently initialised model (bit for bit, FP8 state too).
+"""
+
+from __future__ import annotations
+
+import os
+
+import _fp8_scenarios as F
+import _scenarios as S
+
+STEPS = 3
+LR = 0.02
+GLOBAL_BATCH = 4
+SEQ = 16
+VOCAB = 256
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe")
+# layout: (dp_replicate, dp_shard, tp) on 4 ranks
+LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2, 2), "hsdp": (2, 2, None)}
+DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
+                 "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer"}
+
+
+def build(family: str, seed: int = 0):
+    """A tiny fp32 ``*ForCausalLM`` of ``family``: 2 layers, hidden 64, 4 heads (4 KV heads, so TP 4 divides
+    them), head_dim 16 — every GEMM dim a multiple of 16 on each rank, as TE's FP8 GEMMs need."""
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+                  attn_implementation="eager")
+    if family == "llama":
+        config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif family == "qwen2":
+        config, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM  # q/k/v carry a bias
+    elif family == "qwen3":
+        config, cls = tf.Qwen3Config(head_dim=16, **common), tf.Qwen3ForCausalLM  # per-head q_norm / k_norm
+    elif family == "gemma3":
+        config = tf.Gemma3TextConfig(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, **common)
+        cls = tf.Gemma3ForCausalLM
+    elif family == "phi3":
+        config, cls = tf.Phi3Config(pad_token_id=0, **common), tf.Phi3ForCausalLM  # fused qkv / gate_up
+    elif family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   decoder_sparse_step=1, norm_topk_prob=True, **common)
+        cls = tf.Qwen3MoeForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+    torch.manual_seed(seed)
+    return cls(config)
+
+
+def batch(rank_slice=None):
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    if rank_slice is not None:
+        ids = ids[rank_slice]
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _recipe():  # the recipe F.RECIPE asks accelerate for, without the amax reduction (one process)
+    import transformer_engine.common.recipe as te_recipe
+
+    return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
+                                    reduce_amax=False)
+
+
+def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True):
+    """One process, full batch, the family's model converted to TE (lm_head kept, as the ranks keep it) when
+    ``fp8``: (losses, grad norms before clipping, converted names, step-0 gradients of 1-D parameters)."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+
+    model = build(family)
+    converted = sorted(convert_after_sharding(model, te, exclude=("lm_head",)).converted) if fp8 else []
+    for module in model.modules():
+        if fsdp2 and hasattr(module, "fp8_meta"):
+            module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms, small_grads = [], [], {}
+    for step in range(steps):
+        with te_autocast(te)(fp8, _recipe(), None):
+            loss = model(**batch()).loss
+        loss.backward()
+        if step == 0:
+            small_grads = _small_param_grads(model)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    F.reset_te_global_state()
+    return losses, norms, converted, small_grads
+
+
+def _small_param_grads(model) -> dict:
+    """The full gradients of the 1-D parameters (norm weights, biases): the ones TP replicates, whose
+    gradient a rank may only hold part of (Qwen3's per-head q_norm) unless it is summed over the TP group."""
+    return {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.dim() == 1 and p.grad is not None}
+
+
+def _accelerator(family, layout, precision):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dp_replicate, dp_shard, tp = LAYOUTS[layout]
+    fsdp = dp_shard is not None
+    extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)} if fsdp else {}
+    return S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision=precision,
+                              fp8_recipe=F.RECIPE, wrap_cls=[DECODER_LAYER[family]] if fsdp else None,
+                              expect="FSDP" if fsdp else "MULTI_GPU", **extra)
+
+
+def _prepared(family, layout, seed, precision):
+    import torch
+
+    acc = _accelerator(family, layout, precision)
+    model = build(family, seed=seed)
+    if LAYOUTS[layout][2]:
+        model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _data_rank(acc, layout):
+    """(this rank's index among the data-parallel ranks, their number)."""
+    mesh = acc.torch_device_mesh
+    names = [n for n in ("dp_replicate", "dp_shard") if n in mesh.mesh_dim_names]
+    if not names:
+        return 0, 1
+    dp = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+    coords = dp.get_coordinate()
+    index = 0
+    for dim, coord in enumerate(coords):
+        index = index * dp.size(dim) + coord
+    return index, dp.size()
+
+
+def _full(param):
+    return param.full_tensor() if type(param).__name__ == "DTensor" else param
+
+
+def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_dir=None):
+    import torch
+    import torch.distributed as dist
+
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+
+    S.ensure_rehearsal(True)
+    ref_losses, ref_norms, ref_converted, ref_grads = reference(family, fsdp2=LAYOUTS[layout][1] is not None, steps=steps,
+                                                             fp8=precision == "fp8")
+    acc, model, opt = _prepared(family, layout, seed=0, precision=precision)
+    setup = getattr(acc, "accel_fp8_fix", None)
+    dp_rank, dp_size = _data_rank(acc, layout)
+    per = GLOBAL_BATCH // dp_size
+    data = batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    S.te_reset()
+    losses, norms, same = [], [], []
+    grad_errors = {}
+    for step in range(steps):
+        loss = model(**data).loss
+        acc.backward(loss)
+        if step == 0:  # max |grad - reference| / max |reference| per 1-D parameter (FSDP2 grads: mean over data ranks)
+            grads = _small_param_grads(model)
+            grad_errors = {n: float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) if n in grads else None
+                           for n, g in ref_grads.items()}
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), 1e9)))
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)  # mean over ranks: TP ranks hold the same loss, data ranks their share
+        losses.append(float(value) / world_size)
+        same.append(F._all_equal_across_ranks(F.reduced_fp8_state(model)))
+    stats = S.te_stats()
+    leaves = all(p.is_leaf for p in model.parameters())
+    facts = {
+        "converted": sorted(setup.conversion.converted) if setup else [],
+        "reference_converted": ref_converted,
+        "skipped": dict(setup.conversion.skipped) if setup else {},
+        "fp8_enabled": bool(setup and setup.fp8_enabled),
+        "losses": losses, "reference": ref_losses,
+        "grad_norms": norms, "reference_grad_norms": ref_norms,
+        "fp8_state_identical_every_step": same,
+        "fp8_gemms_fwd": stats["fp8_gemms_fwd"],
+        "params_are_leaves": leaves,
+        "small_param_grad_rel_errors": grad_errors,
+    }
+    if out_dir:
+        path = os.path.join(out_dir, f"{family}-{layout}")
+        try:
+            acc.save_state(path)
+        except ValueError as exc:  # A16: a TP-packed parameter (Qwen3-MoE experts) in a sharded save
+            facts["checkpoint_refused"] = str(exc)
+            F.reset_te_global_state()
+            return facts
+        saved = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+        saved_fp8 = {k: v.detach().clone() for k, v in fp8_state_tensors(model).items()}
+        acc2, model2, _ = _prepared(family, layout, seed=1, precision=precision)  # different init: all must come from the checkpoint
+        acc2.load_state(path)
+        got = {n: _full(p).detach() for n, p in model2.named_parameters()}
+        got_fp8 = fp8_state_tensors(model2)
+        facts["checkpoint_param_mismatch"] = sorted(n for n, t in saved.items() if n not in got or not torch.equal(got[n], t))
+        facts["checkpoint_fp8_mismatch"] = sorted(k for k, t in saved_fp8.items()
+                                                  if k not in got_fp8 or not torch.equal(got_fp8[k], t))
+        facts["checkpoint_fp8_compared"] = len(saved_fp8)
+    F.reset_te_global_state()
+    return facts
+
+
+def suite(rank, world_size, plan):
+    import sys
+
+    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
+
+
+def launch(plan, world_size=4, timeout=600.0):
+    return F.launch(plan, world_size, timeout=timeout, suite_fn=suite)

@@ -1,0 +1,98 @@
+"""Model zoo on 4 CPU ranks: the model families users train (transformers' own classes, tiny configs) on
+FSDP2, TP, FSDP2 x TP and HSDP, in FP8 through the patched prepare (Transformer Engine's real Python on CPU).
+
+Each scenario trains 3 steps and is compared with the same model trained in one process: losses, the
+clipped grad norm, and the step-0 gradient of every 1-D parameter (norm weights, biases) — the check that
+catches a replicated parameter whose gradient is only this rank's part (Qwen3's per-head q_norm / k_norm
+under TP, A15). FSDP2 x TP runs every family and round-trips a checkpoint bit for bit.
+
+The suite runs the layouts that differ per family; ``ACCEL_FP8_FIX_ZOO=full`` runs every family on every
+layout (what docs/compatibility.md records).
+"""
+
+import os
+
+import pytest
+
+import _scenarios as S
+import _zoo_scenarios as Z
+
+FULL = os.environ.get("ACCEL_FP8_FIX_ZOO") == "full"
+# FSDP2 x TP for every family (with a checkpoint round trip); TP where families differ (norms inside
+# attention, fused projections, MoE); FSDP2 / HSDP once each beyond Llama (tested in test_fsdp2_fp8.py);
+# and Qwen3 FSDP2 x TP without FP8, where gradients must equal the reference exactly.
+PLAN_2D = [("sc_zoo", {"family": f, "layout": "fsdp2_tp", "out_dir": None}) for f in Z.FAMILIES]
+PLAN_OTHER = (
+    [("sc_zoo", {"family": f, "layout": l}) for l in ("fsdp2", "tp", "hsdp") for f in Z.FAMILIES]
+    if FULL else
+    [("sc_zoo", {"family": f, "layout": "tp"}) for f in ("qwen3", "gemma3", "phi3", "qwen3_moe")]
+    + [("sc_zoo", {"family": "qwen2", "layout": "fsdp2"}), ("sc_zoo", {"family": "qwen3_moe", "layout": "hsdp"})]
+) + [("sc_zoo", {"family": "qwen3", "layout": "fsdp2_tp", "precision": "no"})]
+
+# Fused projections under TP: transformers gathers their outputs (colwise_gather_output) and splits the
+# next layer's input (rowwise_split_input), layouts TE's TP does not express: they stay in high precision, named.
+KEPT_UNDER_TP = {"phi3": ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")}
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("zoo_ckpt"))
+
+
+@pytest.fixture(scope="module")
+def zoo(ckpt_dir):
+    plan_2d = [(n, {**kw, "out_dir": ckpt_dir}) for n, kw in PLAN_2D]
+    first = Z.launch(plan_2d, 4)
+    second = Z.launch(PLAN_OTHER, 4)
+    out = {}
+    for plan, launched in ((plan_2d, first), (PLAN_OTHER, second)):
+        for name, kwargs in plan:
+            key = S.key_of(plan, name, kwargs)
+            out[(kwargs["family"], kwargs["layout"], kwargs.get("precision", "fp8"))] = S.facts_of(launched, key)
+    return out
+
+
+def _cases():
+    cases = [(kw["family"], kw["layout"], "fp8") for _, kw in PLAN_2D]
+    cases += [(kw["family"], kw["layout"], kw.get("precision", "fp8")) for _, kw in PLAN_OTHER]
+    return cases
+
+
+@pytest.mark.parametrize("family,layout,precision", _cases(), ids=lambda v: str(v))
+def test_family_trains_like_the_single_process_reference(zoo, family, layout, precision):
+    fp8 = precision == "fp8"
+    kept = KEPT_UNDER_TP.get(family, ()) if Z.LAYOUTS[layout][2] else ()
+    for f in zoo[(family, layout, precision)]:
+        assert f["params_are_leaves"]
+        if fp8:
+            if kept:  # named, with the style at fault
+                assert f["converted"] == [] and not f["fp8_enabled"]
+                for name, reason in f["skipped"].items():
+                    assert name == "lm_head" or (name.endswith(kept) and "Transformer Engine" in reason), (name, reason)
+            else:
+                assert f["converted"] == f["reference_converted"] and f["converted"]
+                assert f["fp8_enabled"] and f["fp8_gemms_fwd"] == len(f["converted"]) * Z.STEPS
+            assert f["fp8_state_identical_every_step"] == [True] * Z.STEPS
+        # step 0 agrees to FP8 summation-order noise (exactly without FP8); later steps within FP8 resolution
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4 if fp8 else 1e-6)
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-2 if fp8 else 1e-6)
+        # (Gemma3 under TP drifts to ~2.3% by step 2 in FP8; exact without FP8. A norm missing a mesh
+        # dim's reduction is off by tens of percent)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=3e-2 if fp8 else 1e-5)
+        # every 1-D parameter's full gradient: FP8 (E5M2 gradients) moves single elements by up to ~20%; a
+        # gradient missing the other TP ranks' share is off by ~75% (3 of 4 heads' contributions)
+        errors = f["small_param_grad_rel_errors"]
+        assert errors and None not in errors.values(), errors
+        assert max(errors.values()) < (0.35 if fp8 else 1e-5), errors
+
+
+@pytest.mark.parametrize("family", Z.FAMILIES)
+def test_fsdp2_x_tp_checkpoint_round_trips_bit_for_bit(zoo, family):
+    for f in zoo[(family, "fsdp2_tp", "fp8")]:
+        if family == "qwen3_moe":  # A16: refused before any rank writes, naming the packed expert weight
+            assert "model.layers.0.mlp.experts.gate_up_proj" in f["checkpoint_refused"]
+            assert "FULL_STATE_DICT" in f["checkpoint_refused"]
+            continue
+        assert f["checkpoint_param_mismatch"] == [] and f["checkpoint_fp8_mismatch"] == []
+        # FP8 state (scales, amax histories) compared too, where any layer runs in FP8 (not Phi3 under TP)
+        assert (f["checkpoint_fp8_compared"] > 0) == bool(f["converted"])
