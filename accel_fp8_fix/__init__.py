@@ -19,15 +19,21 @@ from ._api import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["activate", "deactivate", "report", "Report", "UnsupportedVersionError", "PatchError", "audit", "__version__"]
+__all__ = ["activate", "deactivate", "report", "Report", "UnsupportedVersionError", "PatchError", "audit", "te_recipe_kwargs",
+           "__version__"]
 
 
 def __getattr__(name):
-    """``audit`` (accel_fp8_fix.diagnostics.audit.audit) loads on first use: this import stays free of torch."""
+    """``audit`` (accel_fp8_fix.diagnostics.audit.audit) and ``te_recipe_kwargs`` (fixes/recipes.py) load on
+    first use: this import stays free of torch."""
     if name == "audit":
         from .diagnostics.audit import audit
 
         return audit
+    if name == "te_recipe_kwargs":
+        from .fixes.recipes import te_recipe_kwargs
+
+        return te_recipe_kwargs
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -265,7 +265,13 @@ def make_accelerator(
         pc = ParallelismConfig(dp_shard_size=dp_shard or 1, dp_replicate_size=dp_replicate or 1, tp_size=tp or 1)
     handlers = []
     if mixed_precision == "fp8":
-        handlers.append(TERecipeKwargs(**(fp8_recipe or {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"})))
+        fp8_recipe = fp8_recipe or {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
+        if "recipe" in fp8_recipe:  # another TE recipe by name (accel_fp8_fix.te_recipe_kwargs)
+            from accel_fp8_fix.fixes.recipes import te_recipe_kwargs
+
+            handlers.append(te_recipe_kwargs(**fp8_recipe))
+        else:
+            handlers.append(TERecipeKwargs(**fp8_recipe))
     acc = Accelerator(
         mixed_precision=mixed_precision, fsdp_plugin=plugin, parallelism_config=pc, kwargs_handlers=handlers or None, cpu=cpu
     )

@@ -66,14 +66,20 @@ def batch(rank_slice=None):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _recipe():  # the recipe F.RECIPE asks accelerate for, without the amax reduction (one process)
+def _recipe(name=None):
+    """The recipe the ranks ask for: F.RECIPE (delayed scaling) without the amax reduction (one process), or
+    the TE recipe ``name`` as this package builds it from the accelerate config."""
     import transformer_engine.common.recipe as te_recipe
 
+    if name is not None:
+        from accel_fp8_fix.fixes.recipes import build, te_recipe_kwargs
+
+        return build(te_recipe_kwargs(name))[0]
     return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                     reduce_amax=False)
 
 
-def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True):
+def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, recipe=None):
     """One process, full batch, the family's model converted to TE (lm_head kept, as the ranks keep it) when
     ``fp8``: (losses, grad norms before clipping, converted names, step-0 gradients of 1-D parameters)."""
     import torch
@@ -83,14 +89,17 @@ def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True):
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
     model = build(family)
-    converted = sorted(convert_after_sharding(model, te, exclude=("lm_head",)).converted) if fp8 else []
+    from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
+
+    te_recipe = _recipe(recipe)
+    converted = sorted(convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(te_recipe)).converted) if fp8 else []
     for module in model.modules():
         if fsdp2 and hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms, small_grads = [], [], {}
     for step in range(steps):
-        with te_autocast(te)(fp8, _recipe(), None):
+        with te_autocast(te)(fp8, te_recipe, None):
             loss = model(**batch()).loss
         loss.backward()
         if step == 0:
@@ -109,7 +118,7 @@ def _small_param_grads(model) -> dict:
     return {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.dim() == 1 and p.grad is not None}
 
 
-def _accelerator(family, layout, precision):
+def _accelerator(family, layout, precision, recipe=None):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -117,14 +126,14 @@ def _accelerator(family, layout, precision):
     fsdp = dp_shard is not None
     extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)} if fsdp else {}
     return S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision=precision,
-                              fp8_recipe=F.RECIPE, wrap_cls=[DECODER_LAYER[family]] if fsdp else None,
+                              fp8_recipe={"recipe": recipe} if recipe else F.RECIPE, wrap_cls=[DECODER_LAYER[family]] if fsdp else None,
                               expect="FSDP" if fsdp else "MULTI_GPU", **extra)
 
 
-def _prepared(family, layout, seed, precision):
+def _prepared(family, layout, seed, precision, recipe=None):
     import torch
 
-    acc = _accelerator(family, layout, precision)
+    acc = _accelerator(family, layout, precision, recipe)
     model = build(family, seed=seed)
     if LAYOUTS[layout][2]:
         model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
@@ -151,7 +160,7 @@ def _full(param):
     return param.full_tensor() if type(param).__name__ == "DTensor" else param
 
 
-def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_dir=None):
+def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_dir=None, recipe=None):
     import torch
     import torch.distributed as dist
 
@@ -159,8 +168,8 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
 
     S.ensure_rehearsal(True)
     ref_losses, ref_norms, ref_converted, ref_grads = reference(family, fsdp2=LAYOUTS[layout][1] is not None, steps=steps,
-                                                             fp8=precision == "fp8")
-    acc, model, opt = _prepared(family, layout, seed=0, precision=precision)
+                                                             fp8=precision == "fp8", recipe=recipe)
+    acc, model, opt = _prepared(family, layout, seed=0, precision=precision, recipe=recipe)
     setup = getattr(acc, "accel_fp8_fix", None)
     dp_rank, dp_size = _data_rank(acc, layout)
     per = GLOBAL_BATCH // dp_size
@@ -193,6 +202,8 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
         "grad_norms": norms, "reference_grad_norms": ref_norms,
         "fp8_state_identical_every_step": same,
         "fp8_gemms_fwd": stats["fp8_gemms_fwd"],
+        "recipe": type(setup.recipe).__name__ if setup and setup.fp8_enabled else None,
+        "amax_reductions": stats["amax_reductions"],
         "params_are_leaves": leaves,
         "small_param_grad_rel_errors": grad_errors,
     }
@@ -206,7 +217,7 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
             return facts
         saved = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
         saved_fp8 = {k: v.detach().clone() for k, v in fp8_state_tensors(model).items()}
-        acc2, model2, _ = _prepared(family, layout, seed=1, precision=precision)  # different init: all must come from the checkpoint
+        acc2, model2, _ = _prepared(family, layout, seed=1, precision=precision, recipe=recipe)  # different init: all must come from the checkpoint
         acc2.load_state(path)
         got = {n: _full(p).detach() for n, p in model2.named_parameters()}
         got_fp8 = fp8_state_tensors(model2)

@@ -20,26 +20,12 @@ def te_autocast(te):
 
 
 def build_recipe(handler):
-    """(recipe, use_autocast_during_eval) from accelerate's TE recipe kwargs, as ``apply_fp8_autowrap`` builds it
-    (mirrored, with its source hash watched in patches/*.toml), including its MXFP8 availability check."""
-    import transformer_engine.common.recipe as te_recipe
+    """(recipe, use_autocast_during_eval) from accelerate's TE recipe kwargs: what ``apply_fp8_autowrap`` builds
+    (DelayedScaling, or MXFP8 with ``use_mxfp8_block_scaling``; its source hash is watched in patches/*.toml),
+    plus every other TE recipe by name (fixes/recipes.py), each checked against the installed TE and GPU."""
+    from .recipes import build
 
-    kwargs = handler.to_kwargs() if handler is not None else {}
-    kwargs.pop("backend", None)
-    if "fp8_format" in kwargs:
-        kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
-    use_during_eval = kwargs.pop("use_autocast_during_eval", False)
-    if kwargs.pop("use_mxfp8_block_scaling", False):
-        from transformer_engine.pytorch.fp8 import check_mxfp8_support
-
-        available, message = check_mxfp8_support()
-        if not available:
-            raise ValueError(f"MXFP8 block scaling is not available: {message}")
-        for unsupported in ("amax_compute_algo", "amax_history_len"):
-            if unsupported in kwargs:
-                raise ValueError(f"`{unsupported}` is not supported for MXFP8 block scaling.")
-        return te_recipe.MXFP8BlockScaling(**kwargs), use_during_eval
-    return te_recipe.DelayedScaling(**kwargs), use_during_eval
+    return build(handler)
 
 
 def wrap_forward(model, te, recipe, group, use_during_eval: bool) -> None:

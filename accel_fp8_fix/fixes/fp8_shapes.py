@@ -21,6 +21,20 @@ import math
 FP8_LEADING_MULTIPLE = 8
 FP8_LAST_MULTIPLE = 16
 MXFP8_MULTIPLE = 32  # MXFP8 scales 32-element blocks along both dims (MXFP8Quantizer::get_scale_shape)
+NVFP4_MULTIPLE = 16  # NVFP4 scales 16-element blocks (NVFP4Quantizer.is_quantizable: both dims)
+
+
+def _is(recipe, kind: str) -> bool:
+    return recipe is not None and getattr(recipe, kind, lambda: False)()
+
+
+def recipe_multiples(recipe) -> tuple[int, int]:
+    """(tokens, feature dim) multiples ``recipe``'s GEMM operands need."""
+    if _is(recipe, "mxfp8"):
+        return MXFP8_MULTIPLE, MXFP8_MULTIPLE
+    if _is(recipe, "nvfp4"):
+        return NVFP4_MULTIPLE, max(NVFP4_MULTIPLE, FP8_LAST_MULTIPLE)
+    return FP8_LEADING_MULTIPLE, FP8_LAST_MULTIPLE
 
 
 def local_dims(in_features: int, out_features: int, mode: str | None, tp_size: int) -> tuple[int, int]:
@@ -40,7 +54,7 @@ def local_dims_fit(in_local: int, out_local: int, multiple: int = FP8_LAST_MULTI
 
 def weight_multiple(recipe) -> int:
     """What each weight dim must be a multiple of for ``recipe``'s GEMMs."""
-    return MXFP8_MULTIPLE if recipe is not None and getattr(recipe, "mxfp8", lambda: False)() else FP8_LAST_MULTIPLE
+    return max(recipe_multiples(recipe))
 
 
 def _fp8_multiples() -> tuple[int, int] | None:
@@ -51,10 +65,7 @@ def _fp8_multiples() -> tuple[int, int] | None:
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     if not FP8GlobalStateManager.is_fp8_enabled():
         return None
-    recipe = FP8GlobalStateManager.get_fp8_recipe()
-    if getattr(recipe, "mxfp8", lambda: False)():
-        return MXFP8_MULTIPLE, MXFP8_MULTIPLE
-    return FP8_LEADING_MULTIPLE, FP8_LAST_MULTIPLE
+    return recipe_multiples(FP8GlobalStateManager.get_fp8_recipe())
 
 
 class _TokenCheck:

@@ -1,0 +1,44 @@
+"""Every Transformer Engine recipe from accelerate's configuration, on FSDP2 x TP (dp_shard 2 x tp 2, 4 CPU
+ranks, TE's real Python over the CPU kernel shim), against the same recipe in one process.
+
+Delayed scaling (the default) runs in every other distributed test. Here: per-tensor current scaling and
+FP8 block scaling (Hopper: the rehearsal answers sm90), MXFP8 and NVFP4 (Blackwell: sm100), chosen by name
+through ``accel_fp8_fix.te_recipe_kwargs(recipe=...)`` — the same path as ``fp8_config: {recipe: ...}``.
+"""
+
+import pytest
+
+import _fp8_scenarios as F
+import _scenarios as S
+import _zoo_scenarios as Z
+
+BY_ARCH = {"sm90": ("current", "block"), "sm100": ("mxfp8", "nvfp4")}
+CLASS = {"current": "Float8CurrentScaling", "block": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling",
+         "nvfp4": "NVFP4BlockScaling"}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for arch, names in BY_ARCH.items():
+        plan = [("sc_zoo", {"family": "llama", "layout": "fsdp2_tp", "recipe": name}) for name in names]
+        launched = F.launch(plan, 4, env={**S.ENV_FIXED, "ACCEL_FP8_FIX_CPU_TE_ARCH": arch}, timeout=600,
+                            suite_fn=Z.suite)
+        for name, kwargs in plan:
+            out[kwargs["recipe"]] = S.facts_of(launched, S.key_of(plan, name, kwargs))
+    return out
+
+
+@pytest.mark.parametrize("recipe", [n for names in BY_ARCH.values() for n in names])
+def test_recipe_from_the_config_trains_fsdp2_x_tp_like_one_process(runs, recipe):
+    for f in runs[recipe]:
+        assert f["recipe"] == CLASS[recipe] and f["fp8_enabled"]
+        assert f["converted"] == f["reference_converted"] and f["converted"]
+        assert f["fp8_gemms_fwd"] == len(f["converted"]) * Z.STEPS
+        assert f["amax_reductions"] == 0  # stateless recipes: no amax history, nothing to reduce
+        assert f["fp8_state_identical_every_step"] == [True] * Z.STEPS
+        # each rank scales its own shards (the reference, the whole tensors): agreement within the format's
+        # resolution — NVFP4 (E2M1 values) is far coarser than the FP8 recipes
+        tol = 5e-2 if recipe == "nvfp4" else 1e-2
+        assert f["losses"] == pytest.approx(f["reference"], rel=tol)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=3 * tol)
