@@ -338,12 +338,40 @@ def sc_stock_errors_explained(rank, world_size):
     return facts
 
 
+def sc_stock_a2_audit(rank, world_size):
+    """Stock accelerate, FSDP2 + fp8 (A2): TE modules exist, FP8 never runs; the audit must say so and why."""
+    import torch
+
+    import accel_fp8_fix
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"])
+    model = S.block_stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    S.te_reset()
+    x, y = S.dense_batch()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    stats = S.te_stats()
+    report = accel_fp8_fix.audit(model)
+    return {
+        "summary": report.summary,
+        "te_modules": len(report.te_modules),
+        "fp8_modules": [m.name for m in report.fp8_modules],
+        "why_not": {m.name: m.why_not for m in report.modules if m.gemm},
+        "coverage": (report.coverage.fp8_param_share, report.coverage.fp8_gemm_share,
+                     [n for n, _ in report.coverage.high_precision]),
+        "measured_fp8_gemms": stats["fp8_gemms_fwd"] + stats["fp8_gemms_bwd"],
+        "fixes_prepared": report.fixes_prepared,
+    }
+
+
 def suite(rank, world_size, plan):
     return S.run_plan(sys.modules[__name__], rank, world_size, plan)
 
 
 PLAN_FIXED_4 = [("sc_demo_audit", {}), ("sc_user_hook_errors", {}), ("sc_public_collectives", {"shape": [2, 2]})]
-PLAN_STOCK_2 = [("sc_stock_errors_explained", {}), ("sc_public_collectives", {"shape": [2]})]
+PLAN_STOCK_2 = [("sc_stock_errors_explained", {}), ("sc_stock_a2_audit", {}), ("sc_public_collectives", {"shape": [2]})]
 
 
 def launch(plan, world_size, env):

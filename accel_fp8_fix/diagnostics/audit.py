@@ -180,7 +180,7 @@ def _short(why: str) -> str:
 
 
 def _is_te(module) -> bool:
-    return type(module).__module__.startswith("transformer_engine") and hasattr(module, "fp8_meta")
+    return type(module).__module__.startswith("transformer_engine")  # te.LayerNorm has no fp8_meta
 
 
 def _type_name(module) -> str:
@@ -310,7 +310,10 @@ def _is_router(module, name: str = "") -> bool:
 
 def _high_precision_reason(name, module, why_not) -> str:
     if _is_router(module, name):
-        return "MoE router" + (f": {why_not}" if why_not else "")
+        if isinstance(module, nn.Linear):
+            return "MoE router" + (f": {why_not}" if why_not else "")
+        return (f"MoE router ({type(module).__name__}): a GEMM on its own 2-D weight, not a Linear the conversion "
+                "replaces")
     if type(module).__name__ == "Conv1D":
         return "transformers Conv1D: not converted to Transformer Engine"
     if not isinstance(module, nn.Linear) and not _is_te(module):

@@ -1,5 +1,6 @@
 """Diagnostics on real gloo ranks, TE's real Python on CPU: audit of the demo model, error notes where the
-DTensor errors happen (fixes on, and stock accelerate inside ``explain_errors``), public collectives.
+DTensor errors happen (fixes on, and stock accelerate inside ``explain_errors``), stock FSDP2 + FP8 audited
+(FP8 off, A2), public collectives.
 
 Two launches (tests/_diagnostics_scenarios.py): 4 ranks with the fixes on and ACCEL_FP8_FIX_AUDIT=1, 2 ranks
 on stock accelerate.
@@ -106,6 +107,17 @@ def test_stock_user_broadcast_and_mixture_explained(stock):
         _same_error_with_a_note(f["user"], f["direct"], ("DTensor argument 'tensor' (4,) [Replicate()]",
                                                           "in _user_broadcast", USER_FIX))
         assert "got mixed torch.Tensor and DTensor" in f["mixture"]["str"] and "in mixture" in f["mixture"]["notes"][0]
+
+
+def test_audit_of_stock_fsdp2_fp8_says_fp8_is_off_and_why(stock):
+    for f in S.facts_of(stock, "sc_stock_a2_audit"):
+        assert f["measured_fp8_gemms"] == 0  # A2 for real: TE modules, no FP8 GEMM
+        assert f["te_modules"] == 7 and f["fp8_modules"] == [] and not f["fixes_prepared"]
+        assert f["summary"].startswith("FP8 OFF: 7 Transformer Engine module(s), none runs FP8")
+        assert set(f["why_not"]) == {"head", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"}
+        assert all("does not run under Transformer Engine's autocast" in w and "A2" in w for w in f["why_not"].values())
+        share, gemm_share, high = f["coverage"]
+        assert share == 0.0 and gemm_share == 0.0 and set(high) == set(f["why_not"])
 
 
 @pytest.mark.parametrize("launch_name", ["fixed", "stock"])

@@ -282,7 +282,8 @@ def test_patched_wrappers_note_the_same_exception_and_never_replace_it():
         raise original
 
     model = nn.Linear(16, 16)
-    accelerator = SimpleNamespace(_accel_fp8_fix_agreed=True, fp8_backend=None, _models=[model])
+    accelerator = SimpleNamespace(_accel_fp8_fix_agreed=True, fp8_backend=None, _models=[model],
+                                  state=SimpleNamespace(fsdp_plugin=None))
     cases = [
         (fix_prepare.prepare, (model,), "(Accelerator.prepare)"),
         (notes.backward, (), "(Accelerator.backward)"),

@@ -122,8 +122,11 @@ def test_current_scaling_scale_from_amax():
 def test_an_op_the_shim_lacks_says_so_by_name():
     with pytest.raises(NotImplementedError, match="transformer_engine_torch.fused_rope_forward"):
         tex.fused_rope_forward(torch.zeros(1))
-    with pytest.raises(NotImplementedError, match="Float8BlockQuantizer"):
-        tex.quantize(torch.zeros(1), type("Float8BlockQuantizer", (), {})())
+    # a quantizer kind the shim has no kernel for is named, with the kinds it has (block scaling and NVFP4
+    # among them since issue 12)
+    with pytest.raises(NotImplementedError, match="quantize with HybridQuantizer") as refused:
+        tex.quantize(torch.zeros(1), type("HybridQuantizer", (), {})())
+    assert "Float8BlockQuantizer" in str(refused.value) and "NVFP4Quantizer" in str(refused.value)
 
 
 # -- with TE's Python loaded (one fresh rank) ----------------------------------------------------------------

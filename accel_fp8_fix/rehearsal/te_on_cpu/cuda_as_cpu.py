@@ -7,6 +7,8 @@ device, its capability, streams and events. On a CPU-only torch this layer answe
 - ``torch.cuda.*`` queries return a Hopper-like answer (sm90, or ``ACCEL_FP8_FIX_CPU_TE_ARCH``) when the
   caller is a ``transformer_engine`` module, and the stock answer for everyone else — so accelerate,
   torch and user code still see "no CUDA" and keep choosing CPU / gloo;
+- ``torch.version.cuda`` reads ``CUDA_VERSION`` (13.0, matching the cuBLASLt version ``tex`` reports) for TE's
+  frames — TE's FP8 block-scaling check needs CUDA >= 12.9 — and ``None`` (a CPU build) for everyone else;
 - a ``TorchFunctionMode`` maps ``device="cuda"`` / ``cuda:N`` / an int device to ``cpu`` in factory
   functions, ``Tensor.to`` and ``Tensor.cuda`` (nobody else asks for CUDA on a CPU machine), and makes
   ``tensor.is_cuda`` answer True to TE's frames.
@@ -30,6 +32,7 @@ ENV_ARCH = "ACCEL_FP8_FIX_CPU_TE_ARCH"  # "sm90" (Hopper, default) or "sm100" (B
 _ARCHES = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0)}
 
 _state: dict = {"installed": False, "mode": None, "saved": {}}
+CUDA_VERSION = "13.0"  # what TE's frames read as torch.version.cuda (tex.get_cublasLt_version() is 130000)
 
 
 def capability() -> tuple[int, int]:
@@ -193,6 +196,15 @@ def _autocast_scoped(name: str):
     return original, scoped
 
 
+class _VersionModule(types.ModuleType):
+    """``torch.version`` with ``cuda`` answered per caller: ``CUDA_VERSION`` to TE's frames, the stock value to
+    everyone else (a data descriptor on the module's class wins over the module's own ``cuda`` entry)."""
+
+    @property
+    def cuda(self):
+        return CUDA_VERSION if _from_te() else vars(self).get("cuda")
+
+
 @contextlib.contextmanager
 def _stream_ctx(stream=None):
     yield stream
@@ -286,6 +298,8 @@ def install() -> None:
             original, scoped = _autocast_scoped(name)
             saved["torch." + name] = original
             setattr(torch, name, scoped)
+    if type(torch.version) is types.ModuleType:
+        torch.version.__class__ = _VersionModule
     mode = CudaAsCpuMode()
 
     original = torch.autograd.graph._engine_run_backward
@@ -310,6 +324,8 @@ def uninstall() -> None:
         else:
             setattr(torch.cuda, name, original)
     _state["mode"].__exit__(None, None, None)
+    if type(torch.version) is _VersionModule:
+        torch.version.__class__ = types.ModuleType
     torch.autograd.graph._engine_run_backward = _state["engine"]
     torch.autograd._engine_run_backward = _state["engine"]
     _state.update(installed=False, mode=None, saved={})

@@ -2,15 +2,21 @@
 
 Everything above the kernels is TE's own Python. This module is registered as
 ``sys.modules["transformer_engine_torch"]`` by ``te_on_cpu.install()`` and supplies the ops that
-``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``LayerNorm`` and ``RMSNorm`` call for the
-``DelayedScaling`` and ``Float8CurrentScaling`` recipes, written from TE's C++/CUDA sources
-(``pytorch/csrc/extensions/*.cpp``, ``pytorch/csrc/quantizer.cpp``, ``common/recipe/*.cu``):
+``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``LayerNorm`` and ``RMSNorm`` call for every recipe of
+TE 2.20 — ``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``, ``Float8BlockScaling``,
+``NVFP4BlockScaling`` — written from TE's C++/CUDA sources (``pytorch/csrc/extensions/*.cpp``,
+``pytorch/csrc/quantizer.cpp``, ``common/recipe/*.cu``, ``common/transpose/*blockwise*.cu``,
+``common/cast/nvfp4/*.cuh``):
 
 - FP8 cast = ``cvt.rn.satfinite``: round to nearest even, saturate to ±448 (E4M3) / ±57344 (E5M2),
   NaN stays NaN; the cast kernel max-accumulates the tensor's amax into the delayed-scaling amax;
-- ``generic_gemm`` = dequantize → fp32 matmul → bias / GELU epilogues → output dtype; an FP8 operand
-  must carry the usage the layout needs (row-wise data for ``transa``, the transpose otherwise on
-  Hopper), as cuBLAS requires;
+- block-scaled FP8 and NVFP4 casts write TE's storage layouts (``Float8BlockwiseQTensor``: FP32 scales per
+  1x128 block or 128x128 tile, GEMM_READY; ``NVFP4Tensor``: packed E2M1, E4M3 scales per 16 values, compact,
+  FP32 per-tensor amax; random Hadamard transform, 2-D tiles and stochastic rounding as TE's options);
+- ``generic_gemm`` = dequantize → fp32 matmul → bias / GELU epilogues → output dtype: a reference GEMM
+  (for block scaling and NVFP4 too: the operands' exact dequantized values, fp32 accumulation, not
+  cuBLAS' accumulation order); an FP8 operand must carry the usage the layout needs (row-wise data for
+  ``transa``, the transpose otherwise on Hopper / for block scaling and NVFP4), as cuBLAS requires;
 - ``fused_amax_and_scale_update_after_reduction`` = ``delayed_scaling.cu``'s ``kernel_bulk``;
 - norms in fp32 with fused quantization of the output.
 
@@ -376,7 +382,8 @@ def _is_float8(t) -> bool:
     return hasattr(t, "_fp8_dtype") and hasattr(t, "_scale_inv") and hasattr(t, "_transpose")
 
 
-_KINDS = ("Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer")
+_KINDS = ("Float8Quantizer", "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "Float8BlockQuantizer",
+          "NVFP4Quantizer")
 
 
 def _quantizer_kind(quantizer) -> str:
@@ -501,7 +508,18 @@ def _padded_scales(e8m0: torch.Tensor, columnwise: bool, m: int, k: int) -> torc
 
 
 def _is_mxfp8(t) -> bool:
-    return hasattr(t, "_rowwise_scale_inv") and hasattr(t, "_columnwise_scale_inv") and hasattr(t, "_rowwise_data")
+    return (hasattr(t, "_rowwise_scale_inv") and hasattr(t, "_columnwise_scale_inv") and hasattr(t, "_rowwise_data")
+            and hasattr(t, "_fp8_dtype") and not hasattr(t, "_is_2D_scaled"))
+
+
+def _is_block_fp8(t) -> bool:
+    """A ``Float8BlockwiseQTensor`` / its storage (1x128 or 128x128 blocks, FP32 scales)."""
+    return hasattr(t, "_is_2D_scaled") and hasattr(t, "_rowwise_data") and hasattr(t, "_fp8_dtype")
+
+
+def _is_nvfp4(t) -> bool:
+    """An ``NVFP4Tensor`` / its storage (E2M1 data, E4M3 block scales, FP32 per-tensor amax)."""
+    return hasattr(t, "_fp4_dtype") and hasattr(t, "_amax_rowwise")
 
 
 def _mxfp8_classes():
@@ -555,6 +573,458 @@ def _dequantize_mxfp8(t, rowwise: bool = True, who: str = "dequantize") -> torch
     return out.reshape(bits.shape)
 
 
+# --------------------------------------------------------------------------------------------------
+# FP8 block scaling (Float8BlockScaling): 1x128 or 128x128 blocks, FP32 scales
+# (common/transpose/quantize_transpose_{vector,square}_blockwise.cu, recipe/recipe_common.cuh)
+
+FP8_BLOCK = 128
+_BLACKWELL_BLOCK_POW2 = ("On Blackwell and newer, the FP8 block scaling recipe is emulated with MXFP8, which "
+                         "requires using power of two scaling factors.")
+
+
+def _nan_free_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN as 0: the kernels' ``fmaxf`` amax never picks a NaN."""
+    a = x.abs()
+    return torch.where(torch.isnan(a), torch.zeros_like(a), a)
+
+
+def block_scale_from_amax(amax: torch.Tensor, fp8_max: float, force_pow_2: bool, epsilon: float,
+                          value_for_inf: float) -> torch.Tensor:
+    """``compute_scale_from_amax`` elementwise in fp32: amax floored at epsilon; 1 for an amax that is 0, inf or
+    NaN; ``fp8_max / amax`` (``__fdiv_rn``), an infinite quotient replaced by ``value_for_inf`` (the input
+    type's largest finite value, ``compute_scale_from_types``); with ``force_pow_2`` the mantissa cleared."""
+    amax = amax.float()
+    amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
+    scale = torch.full_like(amax, fp8_max) / amax
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
+    if force_pow_2:
+        mask = torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32)
+        scale = (scale.contiguous().view(torch.int32) & mask).view(torch.float32)
+    degenerate = torch.isinf(amax) | (amax == 0) | torch.isnan(amax)
+    return torch.where(degenerate, torch.ones_like(scale), scale)
+
+
+def _fp8_block_rows(x2: torch.Tensor, te_dtype, force_pow_2: bool, epsilon: float, value_for_inf: float):
+    """1x128 blocks along the rows of ``x2`` [R, C]: (bits [R, C], scale_inv [R, ceil(C/128)])."""
+    rows, cols = x2.shape
+    nblk = -(-cols // FP8_BLOCK)
+    padded = torch.nn.functional.pad(x2.float(), (0, nblk * FP8_BLOCK - cols))
+    blocks = padded.reshape(rows, nblk, FP8_BLOCK)
+    scale = block_scale_from_amax(_nan_free_abs(blocks).amax(dim=2), _fp8_info(te_dtype)[1], force_pow_2,
+                                  epsilon, value_for_inf)
+    bits = cast_to_fp8(blocks, scale[:, :, None], te_dtype).reshape(rows, nblk * FP8_BLOCK)[:, :cols]
+    return bits.contiguous(), torch.ones_like(scale) / scale
+
+
+def _fp8_block_tiles(x2: torch.Tensor, te_dtype, force_pow_2: bool, epsilon: float, value_for_inf: float):
+    """128x128 tiles of ``x2`` [R, C]: (bits [R, C], scale_inv [ceil(R/128), ceil(C/128)])."""
+    rows, cols = x2.shape
+    rb, cb = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = torch.nn.functional.pad(x2.float(), (0, cb * FP8_BLOCK - cols, 0, rb * FP8_BLOCK - rows))
+    tiles = padded.reshape(rb, FP8_BLOCK, cb, FP8_BLOCK)
+    scale = block_scale_from_amax(_nan_free_abs(tiles).amax(dim=(1, 3)), _fp8_info(te_dtype)[1], force_pow_2,
+                                  epsilon, value_for_inf)
+    bits = cast_to_fp8(tiles, scale[:, None, :, None], te_dtype).reshape(rb * FP8_BLOCK, cb * FP8_BLOCK)
+    return bits[:rows, :cols].contiguous(), torch.ones_like(scale) / scale
+
+
+def _padded_fp32(values: torch.Tensor, shape) -> torch.Tensor:
+    """``values`` in the top-left corner of a buffer of TE's scale shape (the kernels leave the padding
+    unwritten; here it is 0)."""
+    out = torch.zeros(list(shape), dtype=torch.float32)
+    out[: values.shape[0], : values.shape[1]] = values
+    return out
+
+
+def fp8_block_quantize_2d(x2: torch.Tensor, te_dtype, block_scaling_dim: int, *, rowwise: bool, columnwise: bool,
+                          force_pow_2: bool = True, epsilon: float = 0.0, value_for_inf: float = FLT_MAX):
+    """Float8BlockQuantizer's buffers for a 2-D ``x2`` [M, K], in the layouts TE's kernels write:
+
+    - row-wise data [M, K]; column-wise data [K, M] (the transpose);
+    - 2-D (128x128): row-wise scale_inv [ceil(M/128), roundup(ceil(K/128), 4)] at [m_tile, k_tile], column-wise
+      [ceil(K/128), roundup(ceil(M/128), 4)] at [k_tile, m_tile] (same tiles, transposed);
+    - 1-D (1x128 along the data's rows), GEMM_READY (scales transposed): row-wise scale_inv
+      [ceil(K/128), roundup(M, 4)] at [k_block, m]; column-wise (1x128 blocks of the transposed data, i.e.
+      128 x 1 blocks down each column) [ceil(M/128), roundup(K, 4)] at [m_block, k].
+
+    Returns {"rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"} (None when unused)."""
+    m, k = x2.shape
+    out = dict(rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None)
+    kw = dict(force_pow_2=force_pow_2, epsilon=epsilon, value_for_inf=value_for_inf)
+    if block_scaling_dim == 2:
+        bits, sinv = _fp8_block_tiles(x2, te_dtype, **kw)
+        rb, cb = sinv.shape
+        if rowwise:
+            out["rowwise_data"] = bits
+            out["rowwise_scale_inv"] = _padded_fp32(sinv, (rb, _roundup(cb, 4)))
+        if columnwise:
+            out["columnwise_data"] = bits.t().contiguous()
+            out["columnwise_scale_inv"] = _padded_fp32(sinv.t(), (cb, _roundup(rb, 4)))
+        return out
+    if block_scaling_dim != 1:
+        raise RuntimeError(f"Float8BlockQuantizer: block_scaling_dim must be 1 or 2, not {block_scaling_dim}")
+    if rowwise:
+        bits, sinv = _fp8_block_rows(x2, te_dtype, **kw)  # [M, ceil(K/128)]
+        out["rowwise_data"] = bits
+        out["rowwise_scale_inv"] = _padded_fp32(sinv.t(), (sinv.shape[1], _roundup(m, 4)))
+    if columnwise:
+        bits_t, sinv_t = _fp8_block_rows(x2.t(), te_dtype, **kw)  # [K, ceil(M/128)]
+        out["columnwise_data"] = bits_t
+        out["columnwise_scale_inv"] = _padded_fp32(sinv_t.t(), (sinv_t.shape[1], _roundup(k, 4)))
+    return out
+
+
+def fp8_block_dequantize_2d(bits: torch.Tensor, scale_inv: torch.Tensor, te_dtype, block_scaling_dim: int) -> torch.Tensor:
+    """fp32 values of one usage's data [R, C] (row-wise: [M, K]; column-wise: the transposed [K, M]) from its
+    scale buffer as ``fp8_block_quantize_2d`` lays it out."""
+    rows, cols = bits.shape
+    values = fp8_bits_to_float(bits, te_dtype)
+    cb = -(-cols // FP8_BLOCK)
+    if block_scaling_dim == 2:
+        rb = -(-rows // FP8_BLOCK)
+        factors = scale_inv[:rb, :cb].repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    else:
+        factors = scale_inv[:cb, :rows].t().repeat_interleave(FP8_BLOCK, 1)
+    return values * factors[:rows, :cols]
+
+
+def _block_classes():
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage,
+    )
+
+    return Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage
+
+
+def _flat_2d(shape) -> tuple[int, int]:
+    last = shape[-1] if len(shape) else 1
+    return (math.prod(shape[:-1]) if len(shape) > 1 else 1), last
+
+
+def _store(output, parts: dict) -> None:
+    """Write ``parts`` into an existing quantized tensor as its kernel would: into the buffers it has (same
+    shape), new buffers where it has none; usages the quantizer does not ask for are dropped
+    (``convert_and_update_tensor``)."""
+    for key, value in parts.items():
+        attr = "_" + key
+        current = getattr(output, attr, None)
+        if value is None:
+            setattr(output, attr, None)
+        elif isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype:
+            current.copy_(value)
+        else:
+            setattr(output, attr, value)
+
+
+def _quantize_block_fp8(x: torch.Tensor, quantizer, output=None):
+    if cuda_as_cpu.capability() >= (10, 0) and not quantizer.force_pow_2_scales:
+        raise RuntimeError(_BLACKWELL_BLOCK_POW2)
+    shape = list(x.shape)
+    m, k = _flat_2d(shape)
+    value_for_inf = torch.finfo(x.dtype).max if x.dtype.is_floating_point else FLT_MAX
+    parts = fp8_block_quantize_2d(
+        x.reshape(m, k), quantizer.dtype, quantizer.block_scaling_dim, rowwise=quantizer.rowwise_usage,
+        columnwise=quantizer.columnwise_usage, force_pow_2=quantizer.force_pow_2_scales,
+        epsilon=quantizer.amax_epsilon, value_for_inf=value_for_inf)
+    if parts["rowwise_data"] is not None:
+        parts["rowwise_data"] = parts["rowwise_data"].reshape(shape)
+    if parts["columnwise_data"] is not None:
+        parts["columnwise_data"] = parts["columnwise_data"].reshape(_transpose_shape(shape))
+    if output is not None:
+        _store(output, parts)
+        return output
+    Tensor, Storage = _block_classes()
+    common = dict(parts, fp8_dtype=quantizer.dtype, quantizer=quantizer,
+                  is_2D_scaled=quantizer.block_scaling_dim == 2)
+    if quantizer.internal:
+        return Storage(**_accepted(Storage, {**common, "fake_dtype": x.dtype}))
+    return Tensor(**_accepted(Tensor, {**common, "shape": shape, "dtype": x.dtype,
+                                       "device": torch.device("cpu")}))
+
+
+def _dequantize_block_fp8(t, rowwise: bool = True) -> torch.Tensor:
+    """Logical-layout fp32 values of a block-scaled tensor from its row-wise (or column-wise) data."""
+    if t._rowwise_data is None and rowwise:
+        rowwise = False
+    dim = 2 if t._is_2D_scaled else 1
+    if rowwise:
+        bits = t._rowwise_data
+        r, c = _flat_2d(list(bits.shape))
+        return fp8_block_dequantize_2d(bits.reshape(r, c), t._rowwise_scale_inv, t._fp8_dtype, dim).reshape(bits.shape)
+    bits_t = t._columnwise_data
+    first = bits_t.shape[0]
+    values_t = fp8_block_dequantize_2d(bits_t.reshape(first, -1), t._columnwise_scale_inv, t._fp8_dtype, dim)
+    return values_t.t().reshape(*bits_t.shape[1:], first)
+
+
+def _check_block_gemm(A, transA: bool, B, transB: bool) -> None:
+    """What cuBLAS (and TE's Blackwell emulation) refuse for block-scaled operands (cublaslt_gemm.cu)."""
+    if not (_is_block_fp8(A) and _is_block_fp8(B)):
+        return
+    if A._is_2D_scaled and B._is_2D_scaled:
+        raise RuntimeError("Only 1D by 1D, 1D by 2D, and 2D by 1D block scaling GEMM is supported, but got 2D by 2D")
+    if cuda_as_cpu.capability() < (10, 0):  # cuBLAS' own block-scaled GEMM (Hopper): its alignment rules
+        a0, a1 = _flat_2d(list(A.size()))
+        b0, b1 = _flat_2d(list(B.size()))
+        m, k, n = (a0 if transA else a1), (a1 if transA else a0), (b1 if transB else b0)
+        if k % 16:
+            raise RuntimeError("Leading dimension requirement on NVTE_BLOCK_SCALING GEMM. Caller must pad.")
+        if m % 8:
+            raise RuntimeError("Outer dimension requirement on A for NVTE_BLOCK_SCALING GEMM. Caller must pad.")
+        if not B._is_2D_scaled and n % 8:
+            raise RuntimeError("Outer dimension requirement on B for NVTE_BLOCK_SCALING GEMM. Caller must pad.")
+    if cuda_as_cpu.capability() >= (10, 0):  # converted to MXFP8: the scales' exponent bytes only
+        for t in (A, B):
+            for s in (t._rowwise_scale_inv, t._columnwise_scale_inv):
+                if s is not None and bool(((s.contiguous().view(torch.int32) & 0x7FFFFF) != 0).any()):
+                    raise RuntimeError(_BLACKWELL_BLOCK_POW2)
+
+# --------------------------------------------------------------------------------------------------
+# NVFP4 (NVFP4BlockScaling): E2M1 values, an E4M3 scale per 16 values, an FP32 per-tensor amax
+# (common/cast/nvfp4/core_nvfp4.cuh, quantize_transpose_nvfp4.cuh, dequantize_nvfp4.cuh,
+#  util/ptx_arch_spec.cuh, pytorch/csrc/quantizer.cpp NVFP4Quantizer::quantize_impl)
+
+NVFP4_BLOCK = 16
+FP4_MAX = 6.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is the sign
+_E2M1_VALUES = torch.tensor([*E2M1_GRID, *(-v for v in E2M1_GRID)], dtype=torch.float32)
+
+
+def _f32(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``compute_global_encode_scaling_factor_FP4``: (448 * 6) / amax in fp32, at most FLT_MAX; 1 when the amax is
+    0 or the quotient is 0 (an infinite amax)."""
+    amax = amax.float()
+    scale = torch.minimum(_f32(448.0 * FP4_MAX) / amax, _f32(FLT_MAX))
+    return torch.where((amax == 0) | (scale == 0), torch.ones_like(scale), scale)
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """``cvt.rn.satfinite.e2m1`` of fp32 ``v``: round to nearest, ties to the even code, saturate at ±6; the sign
+    bit kept (-0 -> 0x8); NaN -> 0x7 (satfinite). uint8 codes 0..15."""
+    a = v.abs().clamp(max=FP4_MAX)
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+            + (a > 5.0)).to(torch.uint8)
+    code = torch.where(torch.signbit(v), code | 8, code)
+    return torch.where(torch.isnan(v), torch.full_like(code, 7), code)
+
+
+def e2m1_codes_stochastic(v: torch.Tensor, generator=None) -> torch.Tensor:
+    """``cvt.rs.satfinite.e2m1``: rounds |v| up to the next grid value with probability (|v| - lower) / gap, from
+    uniform draws of ``generator`` (the kernel draws Philox bits from TE's CUDA generator, which the rehearsal
+    maps to the CPU one: the same distribution, not the same bits)."""
+    a = v.abs().clamp(max=FP4_MAX)
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32)
+    lower = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 6)
+    lo, hi = grid[lower], grid[lower + 1]
+    up = torch.rand(a.shape, generator=generator) * (hi - lo) < (a - lo)
+    code = (lower + up.to(lower.dtype)).to(torch.uint8)
+    code = torch.where(a >= FP4_MAX, torch.full_like(code, 7), code)
+    code = torch.where(torch.signbit(v), code | 8, code)
+    return torch.where(torch.isnan(v), torch.full_like(code, 7), code)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Two E2M1 codes a byte, the even element in the low nibble. [..., C] -> [..., C/2] uint8."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def nvfp4_quantize_rows(x2: torch.Tensor, global_amax: torch.Tensor, *, tile_2d: bool = False,
+                        stochastic: bool = False, generator=None):
+    """E2M1 codes packed [R, C/2] and E4M3 scale bits [R, ceil(C/16)] for ``x2`` [R, C] (C even), the kernel's
+    arithmetic in fp32:
+
+    S_enc = nvfp4_global_encode_scale(global amax), S_dec = 1 / S_enc;
+    per block (1x16 of a row, or the 16x16 tile holding it): S_dec_b = block_amax * (S_enc * (1/6)) cast to E4M3
+    (satfinite); values = E2M1(x * min(1 / (S_dec_b * S_dec), FLT_MAX)).
+    A partial last block (C, or R for 2-D tiles, not a multiple of 16) takes the amax of its values, as the
+    unaligned kernel (quantize_transpose_vector_blockwise_fp4.cu) does."""
+    true_rows, true_cols = x2.shape
+    if true_cols % 2:
+        raise RuntimeError(f"NVFP4 packs two values a byte: the last dim must be even (got {true_cols})")
+    pad_rows = (-true_rows) % NVFP4_BLOCK if tile_2d else 0
+    x32 = torch.nn.functional.pad(x2.float(), (0, (-true_cols) % NVFP4_BLOCK, 0, pad_rows))
+    rows, cols = x32.shape
+    s_enc = nvfp4_global_encode_scale(global_amax.reshape(()))
+    s_dec = torch.ones((), dtype=torch.float32) / s_enc
+    blocks = _nan_free_abs(x32).reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+    if tile_2d:
+        tiles = blocks.reshape(rows // NVFP4_BLOCK, NVFP4_BLOCK, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+        block_amax = tiles.amax(dim=(1, 3)).repeat_interleave(NVFP4_BLOCK, 0)
+    else:
+        block_amax = blocks.amax(dim=2)
+    s_dec_b = block_amax * (s_enc * _f32(1.0 / FP4_MAX))
+    s_dec_b_bits = cast_to_fp8(torch.minimum(s_dec_b, _f32(FLT_MAX)), torch.ones(1), DType.kFloat8E4M3)
+    s_dec_b_fp8 = fp8_bits_to_float(s_dec_b_bits, DType.kFloat8E4M3)
+    encode = torch.minimum(torch.ones(()) / (s_dec_b_fp8 * s_dec), _f32(FLT_MAX))
+    scaled = (x32.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK) * encode[:, :, None]).reshape(rows, cols)
+    codes = e2m1_codes_stochastic(scaled, generator) if stochastic else e2m1_codes(scaled)
+    return pack_fp4(codes[:true_rows, :true_cols]), s_dec_b_bits[:true_rows].contiguous()
+
+
+def nvfp4_dequantize_rows(packed: torch.Tensor, scale_bits: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``dequantize_fp4_kernel``: value * (E4M3 scale * amax * (1 / (6 * 448))), fp32. ``scale_bits`` may be the
+    padded buffer; its top-left [R, C/16] is read."""
+    rows, half = packed.shape
+    cols = half * 2
+    nblk = -(-cols // NVFP4_BLOCK)
+    values = _E2M1_VALUES[unpack_fp4(packed).long()]
+    scales = fp8_bits_to_float(scale_bits[:rows, :nblk].contiguous(), DType.kFloat8E4M3)
+    final = scales * amax.float().reshape(()) * _f32(1.0 / (FP4_MAX * 448.0))
+    return values * final.repeat_interleave(NVFP4_BLOCK, 1)[:, :cols]
+
+
+def _padded_u8(values: torch.Tensor, shape) -> torch.Tensor:
+    out = torch.zeros(list(shape), dtype=torch.uint8)
+    out[: values.shape[0], : values.shape[1]] = values
+    return out
+
+
+def nvfp4_hadamard(x2: torch.Tensor, rht_matrix: torch.Tensor) -> torch.Tensor:
+    """The random Hadamard transform of TE's NVFP4 column-wise path: each run of 16 values along the rows of
+    ``x2`` (bf16) times ``rht_matrix`` (the quantizer's 16x16 bf16 sign-flipped, 1/4-scaled Hadamard matrix),
+    fp32 products and sums, the result in bf16 (the unfused kernel's output type)."""
+    rows, cols = x2.shape
+    out = x2.float().reshape(-1, NVFP4_BLOCK) @ rht_matrix.float()
+    return out.reshape(rows, cols).to(torch.bfloat16)
+
+
+def _nvfp4_arch_check() -> None:
+    if cuda_as_cpu.capability() >= (10, 0):
+        return
+    try:
+        from transformer_engine.pytorch.quantization import check_nvfp4_support
+
+        reason = check_nvfp4_support()[1]
+    except ImportError:  # pragma: no cover - TE before 2.9
+        reason = "Device compute capability 10.0 or higher required for NVFP4 execution."
+    raise RuntimeError(
+        f"{reason} (TE's own answer, transformer_engine.pytorch.is_nvfp4_available(); on this GPU TE's NVFP4 cast "
+        "kernels stop with 'FP4 cvt PTX instructions are architecture-specific'). The rehearsal answers as sm"
+        f"{''.join(map(str, cuda_as_cpu.capability()))}: set {cuda_as_cpu.ENV_ARCH}=sm100 for a Blackwell.")
+
+
+def _nvfp4_classes():
+    from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Tensor
+    from transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage import NVFP4TensorStorage
+
+    return NVFP4Tensor, NVFP4TensorStorage
+
+
+def _quantize_nvfp4(x: torch.Tensor, quantizer, output=None, empty: bool = False):
+    """NVFP4Quantizer::quantize_impl: global amax (row-wise: of x; column-wise: of RHT(x^T) when ``with_rht``,
+    else the same), MAX-reduced over ``amax_reduction_group`` when asked, then the cast of x (row-wise, [M, K/2])
+    and of x^T or RHT(x^T) (column-wise, [K, M/2]). Scales compact (``with_gemm_swizzled_scales=False``), as
+    for MXFP8. 4over6 and row-scaled NVFP4 are not implemented (NotImplementedError)."""
+    _nvfp4_arch_check()
+    for option in ("row_scaled_nvfp4", "nvfp4_use_4over6"):
+        if getattr(quantizer, option, False):
+            raise NotImplementedError(f"transformer_engine_torch.quantize with NVFP4Quantizer({option}=True): not "
+                                      "implemented by the CPU rehearsal")
+    shape = list(x.shape)
+    m, k = _flat_2d(shape)
+    if quantizer.with_rht and quantizer.columnwise_usage and (m % NVFP4_BLOCK or k % NVFP4_BLOCK):
+        raise RuntimeError(f"NVFP4 random Hadamard transform of shape {shape} (flattened [{m}, {k}]): num_rows "
+                           "and row_length must be divisible by hadamard_dimension (16)")
+    if quantizer.with_rht and not empty:
+        if x.dtype != torch.bfloat16:
+            raise RuntimeError(f"RHT is only supported for bfloat16 input, got dtype enum value "
+                               f"{int(_TE_OF.get(x.dtype, -1))}")
+        if not quantizer.with_post_rht_amax:
+            raise RuntimeError("Pre-RHT amax is not supported yet. Use with_post_rht_amax=true instead.")
+    x2 = x.reshape(m, k)
+    col_input = x2.t()
+    if quantizer.with_rht and quantizer.columnwise_usage and not empty:
+        col_input = nvfp4_hadamard(x2.t().contiguous(), quantizer.rht_matrix)
+    amax_row = amax_of(x2).reshape(1)
+    amax_col = amax_of(col_input).reshape(1) if quantizer.with_rht else amax_row.clone()
+    if quantizer.with_amax_reduction and not empty:
+        import torch.distributed as dist
+
+        _STATS["amax_allreduce_nvfp4"] += 1
+        both = torch.cat([amax_row, amax_col])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=quantizer.amax_reduction_group)
+        amax_row, amax_col = both[:1].clone(), both[1:].clone()
+    kw = dict(tile_2d=quantizer.with_2d_quantization, stochastic=quantizer.stochastic_rounding and not empty)
+    parts = dict(rowwise_data=None, rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None,
+                 amax_rowwise=None, amax_columnwise=None)
+    if quantizer.rowwise_usage:
+        data, scales = nvfp4_quantize_rows(x2, amax_row, **kw)
+        parts.update(rowwise_data=data.reshape(*shape[:-1], k // 2),
+                     rowwise_scale_inv=_padded_u8(scales, quantizer.get_scale_shape(shape, columnwise=False)),
+                     amax_rowwise=amax_row)
+    if quantizer.columnwise_usage:
+        data_t, scales_t = nvfp4_quantize_rows(col_input.contiguous(), amax_col, **kw)
+        col_shape = list(quantizer.get_columnwise_shape(shape))
+        col_shape[-1] //= 2
+        parts.update(columnwise_data=data_t.reshape(col_shape),
+                     columnwise_scale_inv=_padded_u8(scales_t, quantizer.get_scale_shape(shape, columnwise=True)),
+                     amax_columnwise=amax_col)
+    if output is not None:
+        _store(output, parts)
+        output._with_gemm_swizzled_scales = False
+        return output
+    Tensor, Storage = _nvfp4_classes()
+    common = dict(parts, fp4_dtype=quantizer.dtype, quantizer=quantizer, with_gemm_swizzled_scales=False)
+    if quantizer.internal:
+        return Storage(**_accepted(Storage, {**common, "fake_dtype": x.dtype}))
+    return Tensor(**_accepted(Tensor, {**common, "shape": shape, "dtype": x.dtype, "device": torch.device("cpu")}))
+
+
+def _dequantize_nvfp4(t, rowwise: bool = True, otype=None) -> torch.Tensor:
+    """Logical-layout values (fp32, or ``otype``) from the row-wise (or column-wise) data. Column-wise data of a
+    tensor quantized with RHT holds RHT(x^T): GEMMs that contract it with another RHT'd operand get the true
+    product back (the transform is orthogonal)."""
+    if getattr(t, "_with_gemm_swizzled_scales", False):
+        raise NotImplementedError("NVFP4 tensor with GEMM-swizzled scales: the CPU rehearsal keeps scales compact")
+    if rowwise:
+        if t._rowwise_data is None:
+            raise NotImplementedError("Dequantizing column-wise NVFP4 data is not implemented yet!")
+        packed = t._rowwise_data
+        out = nvfp4_dequantize_rows(packed.reshape(-1, packed.shape[-1]), t._rowwise_scale_inv, t._amax_rowwise)
+        out = out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    else:
+        packed_t = t._columnwise_data
+        first = packed_t.shape[0]
+        values_t = nvfp4_dequantize_rows(packed_t.reshape(first, -1), t._columnwise_scale_inv, t._amax_columnwise)
+        rest = list(packed_t.shape[1:])
+        rest[-1] *= 2
+        out = values_t.t().reshape(*rest, first)
+    return out if otype is None else out.to(otype)
+
+
+def nvfp4_data_transpose(input, out=None):
+    """Packed [M, K/2] -> packed [K, M/2] (transpose.cpp nvfp4_data_transpose)."""
+    m = input.shape[0]
+    if m % 2:
+        raise RuntimeError(f"NVFP4 transpose requires M ({m}) to be even.")
+    result = pack_fp4(unpack_fp4(input.reshape(m, -1)).t().contiguous())
+    if out is None:
+        return result
+    out.copy_(result.reshape(out.shape))
+    return out
+
+
+def nvfp4_2d_scale_transpose(input, output, M_tiles, K_tiles):
+    """``nvfp4_scale_transpose_kernel``: output[k_tile * 16 + i, m_tile] = input[m_tile * 16, k_tile]; rows past
+    the K tiles are 0."""
+    k_padded = output.shape[0]
+    rows = torch.arange(k_padded)
+    k_tile = rows // NVFP4_BLOCK
+    valid = k_tile < K_tiles
+    src = input[torch.arange(M_tiles) * NVFP4_BLOCK][:, k_tile.clamp(max=max(K_tiles - 1, 0))].t()  # [K_padded, M_tiles]
+    output[:, :M_tiles] = torch.where(valid[:, None], src, torch.zeros_like(src))
+
+
 def quantize(tensor, quantizer, output=None, noop=None):
     if noop is not None and float(noop.reshape(-1)[0]) != 0.0:
         return output
@@ -563,6 +1033,10 @@ def quantize(tensor, quantizer, output=None, noop=None):
     x = tensor.contiguous()
     if kind == "MXFP8Quantizer":
         return _quantize_mxfp8(x, quantizer, output)
+    if kind == "Float8BlockQuantizer":
+        return _quantize_block_fp8(x, quantizer, output)
+    if kind == "NVFP4Quantizer":
+        return _quantize_nvfp4(x, quantizer, output)
     scale = _scale_for(quantizer, x)
     with_data, with_transpose = _usages(quantizer)
     bits = cast_to_fp8(x, scale, quantizer.dtype)
@@ -623,6 +1097,10 @@ def _dequantize_float8(t, rowwise: bool = True, who: str = "dequantize") -> torc
 def dequantize(input, otype):
     if _is_mxfp8(input):
         return _dequantize_mxfp8(input).to(_torch_dtype(otype))
+    if _is_block_fp8(input):
+        return _dequantize_block_fp8(input).to(_torch_dtype(otype))
+    if _is_nvfp4(input):
+        return _dequantize_nvfp4(input, otype=_torch_dtype(otype))
     if not _is_float8(input):
         raise NotImplementedError(
             f"transformer_engine_torch.dequantize of {type(input).__name__}: not implemented by the "
@@ -632,8 +1110,13 @@ def dequantize(input, otype):
 
 
 def create_empty_quantized_tensor(quantizer, shape, dtype, device, pin_memory):
-    if _quantizer_kind(quantizer) == "MXFP8Quantizer":
+    kind = _quantizer_kind(quantizer)
+    if kind == "MXFP8Quantizer":
         return _quantize_mxfp8(torch.zeros(list(shape), dtype=dtype), quantizer)
+    if kind == "Float8BlockQuantizer":
+        return _quantize_block_fp8(torch.zeros(list(shape), dtype=dtype), quantizer)
+    if kind == "NVFP4Quantizer":
+        return _quantize_nvfp4(torch.zeros(list(shape), dtype=dtype), quantizer, empty=True)
     with_data, with_transpose = _usages(quantizer)
     shape = list(shape)
     return _make_float8(
@@ -651,6 +1134,16 @@ def fp8_transpose(input, dtype, *, out=None):
     if out is None:
         return t
     out.copy_(t.reshape(out.shape))
+    return out
+
+
+def swap_first_dims(tensor, out=None):
+    """[d0, d1, ...] -> [d1, d0, ...] (transpose.cpp; TE's all-gathers of block-scaled and NVFP4 data use it to
+    undo the interleaving of gathered transposed buffers)."""
+    result = tensor.contiguous().transpose(0, 1).contiguous()
+    if out is None:
+        return result
+    out.copy_(result.reshape(out.shape))
     return out
 
 
@@ -678,6 +1171,18 @@ def _operand(t, trans_needs_rowwise: bool, who: str):
     """(fp32 2-D logical matrix, is_fp8, fake dtype, logical shape)."""
     if _is_mxfp8(t):
         x = _dequantize_mxfp8(t, rowwise=trans_needs_rowwise, who=who)
+        return x.reshape(-1, x.shape[-1]), True, _fake_dtype(t), tuple(x.shape)
+    if _is_block_fp8(t) or _is_nvfp4(t):
+        # cuBLAS' TN-only layouts (cublaslt_gemm.cu CanonicalizeGemmInput): the operand's row-wise data
+        # when the GEMM reads it transposed, else its column-wise data; never a fallback to the other.
+        usage = "_rowwise_data" if trans_needs_rowwise else "_columnwise_data"
+        if getattr(t, usage) is None:
+            raise RuntimeError(f"{who}: Input {who[-1]} is missing "
+                               f"{'row-wise' if trans_needs_rowwise else 'column-wise'} usage")
+        if _is_block_fp8(t):
+            x = _dequantize_block_fp8(t, rowwise=trans_needs_rowwise)
+        else:
+            x = _dequantize_nvfp4(t, rowwise=trans_needs_rowwise)
         return x.reshape(-1, x.shape[-1]), True, _fake_dtype(t), tuple(x.shape)
     if _is_float8(t):
         x = _dequantize_float8(t, rowwise=trans_needs_rowwise, who=who)
@@ -715,9 +1220,12 @@ def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_ty
     b, b_fp8, b_dtype, b_shape = _operand(B, not transB, "generic_gemm operand B")
     if a_fp8 != b_fp8:
         raise RuntimeError("generic_gemm: FP8 and non-FP8 operands cannot be mixed in one GEMM")
-    kind = "fp8_gemms" if a_fp8 else "non_fp8_gemms"
+    _check_block_gemm(A, transA, B, transB)
+    kind = "fp8_gemms" if a_fp8 else "non_fp8_gemms"  # fp8_gemms: every quantized GEMM (FP8 and NVFP4)
     _STATS[kind] += 1
     _STATS[kind + ("_bwd" if cuda_as_cpu.in_backward() else "_fwd")] += 1
+    if _is_nvfp4(A) or _is_block_fp8(A):
+        _STATS["nvfp4_gemms" if _is_nvfp4(A) else "fp8_block_gemms"] += 1
     op_a = a.t() if transA else a
     op_b = b.t() if transB else b
     if op_b.shape[1] != op_a.shape[0]:
@@ -763,7 +1271,7 @@ def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_ty
 
 def _norm_output(y32, ln_out, quantizer, otype):
     if ln_out is not None:
-        if _is_float8(ln_out) or _is_mxfp8(ln_out):
+        if _is_float8(ln_out) or _is_mxfp8(ln_out) or _is_block_fp8(ln_out) or _is_nvfp4(ln_out):
             return quantize(y32, quantizer if quantizer is not None else ln_out._quantizer, ln_out)
         ln_out.copy_(y32.reshape(ln_out.shape).to(ln_out.dtype))
         return ln_out
@@ -996,7 +1504,8 @@ def __getattr__(name: str):
         raise NotImplementedError(
             f"transformer_engine_torch.{name}: not implemented by the CPU rehearsal of Transformer "
             "Engine (accel_fp8_fix.rehearsal.te_on_cpu); it covers Linear, LayerNormLinear, "
-            "LayerNormMLP, LayerNorm and RMSNorm with delayed and current FP8 scaling"
+            "LayerNormMLP, LayerNorm and RMSNorm under TE's recipes (delayed / current scaling, MXFP8, FP8 "
+            "block scaling, NVFP4)"
         )
 
     not_implemented.__name__ = name
