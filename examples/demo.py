@@ -93,6 +93,7 @@ def main(steps):
             f"({sum(1 for m in te_modules if getattr(m, 'parallel_mode', None))} with TE-native TP), "
             f"kept: {[n for n, _ in setup.conversion.skipped]}; amax group ranks {list(setup.amax_group_ranks)}"
         )
+        accelerator.print(accel_fp8_fix.audit(model).coverage)  # FP8 share of GEMM parameters and GEMMs, each kept one named
     accelerator.end_training()
 
 

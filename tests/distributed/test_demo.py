@@ -27,6 +27,21 @@ def _aborted_only_at_teardown(proc) -> bool:
             and "amax group ranks" in proc.stdout)
 
 
+def _expected_coverage_line() -> str:
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples/demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    linears = {n: m.weight.numel() for n, m in demo.build_model().named_modules() if isinstance(m, torch.nn.Linear)}
+    total, fp8 = sum(linears.values()), sum(v for n, v in linears.items() if n != "lm_head")
+    gemms = 3 * len(linears)  # forward, dgrad, wgrad
+    return (f"FP8 coverage: {fp8 / total:.1%} of GEMM parameters ({fp8}/{total}), "
+            f"{gemms - 3}/{gemms} GEMMs per step ({(gemms - 3) / gemms:.1%})")
+
+
 def test_demo_trains_fsdp2_x_tp_in_fp8_with_the_config_flag_only():
     proc = _launch({})
     if proc.returncode != 0 and _aborted_only_at_teardown(proc):
@@ -39,6 +54,9 @@ def test_demo_trains_fsdp2_x_tp_in_fp8_with_the_config_flag_only():
     assert "patch set: accelerate-1.13-1.15  (activated by: accelerate config" in out
     assert "TE modules: 14 converted after sharding (14 with TE-native TP), kept: ['lm_head']" in out
     assert "amax group ranks [0, 1, 2, 3]" in out
+    # the FP8 coverage figure: every Linear weight but lm_head's (kept), from the demo's own model
+    assert _expected_coverage_line() in out
+    assert "  high precision: lm_head - " in out
     # one voice: every package message once for the job (4 ranks), not once per rank or twice per message
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("accel_fp8_fix")]
     assert any(line.startswith("accel_fp8_fix: kept 1 module(s)") for line in said)
