@@ -294,6 +294,11 @@ def _on_blackwell(rank, world_size):
     out["sr"] = {"sr_bias": float((mean_sr - g.float()).mean().abs()),
                  "rn_bias": float((rn(g).dequantize(dtype=torch.float32) - g.float()).mean().abs())}
     out["nvfp4_linear"] = _linear_under(NVFP4BlockScaling(), torch.bfloat16)
+    try:  # TE's quantizer.cpp: the Hadamard transform takes bf16 only
+        NVFP4Quantizer(rowwise=True, columnwise=True, with_rht=True, with_post_rht_amax=True)(torch.randn(32, 64))
+        out["rht_fp32_refused"] = None
+    except RuntimeError as exc:
+        out["rht_fp32_refused"] = str(exc)
     out["nvfp4_mlp"] = _layernorm_mlp_under(NVFP4BlockScaling(), torch.bfloat16)
     # amax reduction (TE asks for it for sequence-parallel inputs and FSDP2-sharded FP4 weights): MAX over the group
     import torch.distributed as dist
@@ -392,6 +397,12 @@ def test_nvfp4_quantize_matches_tes_reference_bit_for_bit(blackwell):
 def test_nvfp4_2d_columnwise_from_rowwise_and_stochastic_rounding(blackwell):
     assert blackwell["create_columnwise"]
     assert blackwell["sr"]["sr_bias"] < 0.25 * blackwell["sr"]["rn_bias"]
+
+
+def test_nvfp4_hadamard_transform_of_fp32_is_refused_with_tes_message_and_the_way_out(blackwell):
+    message = blackwell["rht_fp32_refused"]
+    assert message.startswith("RHT is only supported for bfloat16 input, got dtype enum value 4")
+    assert "NVTE_NVFP4_DISABLE_RHT=1" in message
 
 
 def test_linear_under_nvfp4_on_blackwell(blackwell):

@@ -689,11 +689,17 @@ def fp8_block_dequantize_2d(bits: torch.Tensor, scale_inv: torch.Tensor, te_dtyp
 
 
 def _block_classes():
+    """(Float8BlockwiseQTensor, its storage class): ``tensor/storage`` since TE 2.10, ``tensor/_internal`` before."""
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
-        Float8BlockwiseQTensorStorage,
-    )
 
+    try:
+        from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+            Float8BlockwiseQTensorStorage,
+        )
+    except ImportError:
+        from transformer_engine.pytorch.tensor._internal.float8_blockwise_tensor_base import (
+            Float8BlockwiseQTensorBase as Float8BlockwiseQTensorStorage,
+        )
     return Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage
 
 
@@ -718,6 +724,9 @@ def _store(output, parts: dict) -> None:
 
 
 def _quantize_block_fp8(x: torch.Tensor, quantizer, output=None):
+    if getattr(quantizer, "all_gather_usage", False):  # TE < 2.10: COMPACT scales for FP8 all-gathers
+        raise NotImplementedError("transformer_engine_torch.quantize with Float8BlockQuantizer(all_gather_usage=True) "
+                                  "(the COMPACT block-scale format of TE < 2.10): not implemented by the CPU rehearsal")
     if cuda_as_cpu.capability() >= (10, 0) and not quantizer.force_pow_2_scales:
         raise RuntimeError(_BLACKWELL_BLOCK_POW2)
     shape = list(x.shape)
@@ -914,9 +923,15 @@ def _nvfp4_arch_check() -> None:
 
 
 def _nvfp4_classes():
+    """(NVFP4Tensor, its storage class): ``tensor/storage`` since TE 2.10, ``tensor/_internal`` before."""
     from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Tensor
-    from transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage import NVFP4TensorStorage
 
+    try:
+        from transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage import NVFP4TensorStorage
+    except ImportError:
+        from transformer_engine.pytorch.tensor._internal.nvfp4_tensor_base import (
+            NVFP4TensorBase as NVFP4TensorStorage,
+        )
     return NVFP4Tensor, NVFP4TensorStorage
 
 
@@ -938,7 +953,10 @@ def _quantize_nvfp4(x: torch.Tensor, quantizer, output=None, empty: bool = False
     if quantizer.with_rht and not empty:
         if x.dtype != torch.bfloat16:
             raise RuntimeError(f"RHT is only supported for bfloat16 input, got dtype enum value "
-                               f"{int(_TE_OF.get(x.dtype, -1))}")
+                               f"{int(_TE_OF.get(x.dtype, -1))} (TE's own rule, quantizer.cpp: {x.dtype} input to "
+                               "NVFP4BlockScaling's random Hadamard transform, which inputs and gradients use; "
+                               "run the TE modules in bfloat16, or set NVTE_NVFP4_DISABLE_RHT=1 before TE is "
+                               "imported)")
         if not quantizer.with_post_rht_amax:
             raise RuntimeError("Pre-RHT amax is not supported yet. Use with_post_rht_amax=true instead.")
     x2 = x.reshape(m, k)
