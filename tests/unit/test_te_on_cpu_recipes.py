@@ -133,6 +133,16 @@ def test_nvfp4_global_scale_edge_cases():
     assert tex.nvfp4_global_encode_scale(amax).tolist() == [1.0, 1.0, 1.0, FLT_MAX]
 
 
+def test_nvfp4_data_transpose_repacks_nibbles_and_swap_first_dims():
+    codes = torch.randint(0, 16, (6, 8), dtype=torch.uint8)
+    out = torch.empty(8, 3, dtype=torch.uint8)
+    tex.nvfp4_data_transpose(tex.pack_fp4(codes), out=out)
+    assert torch.equal(tex.unpack_fp4(out), codes.t())
+    gathered = torch.arange(24).reshape(2, 3, 4)  # [world, rows, cols] as TE's all-gathers interleave them
+    target = torch.empty(3, 2, 4, dtype=gathered.dtype)
+    tex.swap_first_dims(gathered, out=target.view(3, 2, 4))
+    assert torch.equal(target, gathered.transpose(0, 1)) and torch.equal(tex.swap_first_dims(gathered), target)
+
 # -- with TE's Python loaded: one fresh rank per architecture ----------------------------------------------------
 def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
