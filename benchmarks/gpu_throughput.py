@@ -131,7 +131,7 @@ def run_one(args) -> dict:
         row["recipes"] = {}
         for config_name, function in SUPPORT.items():
             fn = getattr(te, function, None)
-            row["recipes"][config_name] = list(fn(return_reason=True)) if (fn and cuda) else [False, "no CUDA"]
+            row["recipes"][config_name] = list(fn(return_reason=True)) if fn else [False, f"TE has no {function}"]
     counter = GemmCounter() if fp8 else None
 
     generator = torch.Generator(device=device).manual_seed(1)
@@ -191,7 +191,7 @@ def table(rows: list[dict], skipped: dict[str, str]) -> str:
         gemms = f"{row['fp8_gemms_per_step']} / {row['te_gemms_per_step']}" if row.get("te_gemms_per_step") is not None \
             else "-"
         lines.append(f"| {row['config']} | {row.get('recipe') or '-'} | {row['tokens_per_s']:,} | {ratio} | "
-                     f"{row['tflops_6n']} | {row.get('peak_gib_steps')} | {gemms} | {row['last_loss']} |")
+                     f"{row['tflops_6n']} | {row.get('peak_gib_steps') or '-'} | {gemms} | {row['last_loss']} |")
     for config, why in skipped.items():
         lines.append(f"| {config} | not run: {why[:120]} | | | | | | |")
     return "\n".join(lines)

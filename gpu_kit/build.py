@@ -176,7 +176,7 @@ def write_parts(pins: dict, files: list[dict], sources: dict[str, Path], extensi
                 parts_dir: Path = PARTS_DIR, build_dir: Path = BUILD) -> dict:
     """The bundle tar cut into parts, and the manifest; skipped when the same inputs made the current parts."""
     max_bytes = int(pins["parts"]["max_mib"] * MIB)
-    inputs = json.dumps([KIT_FORMAT, max_bytes, [(f["path"], f["sha256"]) for f in files]])
+    inputs = json.dumps([KIT_FORMAT, pins_digest(), max_bytes, [(f["path"], f["sha256"]) for f in files]])
     inputs_digest = hashlib.sha256(inputs.encode()).hexdigest()
     manifest_path = parts_dir / "manifest.json"
     if manifest_path.is_file():

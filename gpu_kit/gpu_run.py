@@ -231,8 +231,10 @@ def ranks_runs(run: Run) -> None:
     answers = json.loads(probe_file.read_text()) if probe_file.is_file() else ranks_probe(run, run.out)
     run.stage("ranks_probe", **answers)
     if not answers.get("gloo", {}).get("all_ok"):
-        run.stage("ranks", skipped="gloo cannot run FSDP2's collectives on CUDA tensors here (see ranks_probe); "
-                                   "NCCL refuses two ranks on one GPU")
+        gloo = answers.get("gloo", {})
+        failed = {op: verdict for op, verdict in gloo.get("ops", {}).items() if verdict != "ok"}
+        run.stage("ranks", skipped=f"two ranks on this one GPU over gloo did not pass the probe (init {gloo.get('init')}, "
+                                   f"failed collectives {failed or 'none reported'}); see ranks_probe and ranks.log")
         return
     for name, world, parallelism in (
             ("fsdp2", 2, "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"),
@@ -261,7 +263,7 @@ def tests_gpu(run: Run) -> None:
 
 def benchmark(run: Run) -> None:
     command = [sys.executable, "benchmarks/gpu_throughput.py", "--table", str(run.out / "benchmark.md"),
-               "--budget", str(max(30, int(run.left() - 25)))]
+               "--budget", str(max(30, int(run.left() - 25))), *os.environ.get("GPU_KIT_BENCH_ARGS", "").split()]
     code, output, seconds = run.sub("throughput benchmark", command, "benchmark.log", cap=260, reserve=10)
     rows = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("BENCH_ROW ")]
     run.stage("benchmark", exit=code, seconds=round(seconds), rows=rows)

@@ -221,9 +221,8 @@ try:
     out["cuda_available"] = torch.cuda.is_available()
     import transformer_engine
     out["transformer_engine_file"] = transformer_engine.__file__
-    import transformer_engine_torch as tex
-    out["extension_file"] = getattr(tex, "__file__", None)
-    import transformer_engine.pytorch as te
+    import transformer_engine.pytorch as te  # loads TE's core library, then the torch extension
+    out["extension_file"] = getattr(sys.modules.get("transformer_engine_torch"), "__file__", None)
     from importlib.metadata import version
     out["te_version"] = version("transformer_engine")
     out["import"] = "ok"
@@ -279,8 +278,10 @@ def build_extension(sdist: Path, out_dir: Path, jobs: int, nice: bool = False, l
             archive.extractall(work_dir, filter="data")
     include = subprocess.run([python, "-c", "from gpu_kit.kit import nvidia_include_dirs as n; print(':'.join(n()))"],
                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    # NVTE_NO_LOCAL_VERSION: TE would append the git commit of whatever repository it is built in (this one)
+    # to its version, and TE's loader refuses an extension whose version differs from the core wheel's.
     env = dict(os.environ, MAX_JOBS=str(jobs), NVTE_PYTORCH_FORCE_BUILD="TRUE", NVTE_FRAMEWORK="pytorch",
-               CUDA_HOME=cuda_home, CPATH=":".join(p for p in (include.stdout.strip(), os.environ.get("CPATH")) if p))
+               NVTE_NO_LOCAL_VERSION="1", CUDA_HOME=cuda_home, CPATH=":".join(p for p in (include.stdout.strip(), os.environ.get("CPATH")) if p))
     env.pop("NVTE_BUILD_USE_NVIDIA_WHEELS", None)  # the toolkit's headers first: the wheels lack crt/host_defines.h
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("transformer_engine_torch-*.whl"):
