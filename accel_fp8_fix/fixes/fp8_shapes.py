@@ -22,6 +22,7 @@ FP8_LEADING_MULTIPLE = 8
 FP8_LAST_MULTIPLE = 16
 MXFP8_MULTIPLE = 32  # MXFP8 scales 32-element blocks along both dims (MXFP8Quantizer::get_scale_shape)
 NVFP4_MULTIPLE = 16  # NVFP4 scales 16-element blocks (NVFP4Quantizer.is_quantizable: both dims)
+BLOCK_TOKENS_MULTIPLE = 16  # FP8 block scaling on Hopper: the wgrad GEMM sums over tokens and cuBLAS needs k % 16
 
 
 def _is(recipe, kind: str) -> bool:
@@ -34,6 +35,8 @@ def recipe_multiples(recipe) -> tuple[int, int]:
         return MXFP8_MULTIPLE, MXFP8_MULTIPLE
     if _is(recipe, "nvfp4"):
         return NVFP4_MULTIPLE, max(NVFP4_MULTIPLE, FP8_LAST_MULTIPLE)
+    if _is(recipe, "float8_block_scaling"):
+        return BLOCK_TOKENS_MULTIPLE, FP8_LAST_MULTIPLE
     return FP8_LEADING_MULTIPLE, FP8_LAST_MULTIPLE
 
 

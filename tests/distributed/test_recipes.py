@@ -22,8 +22,10 @@ def runs():
     out = {}
     for arch, names in BY_ARCH.items():
         plan = [("sc_zoo", {"family": "llama", "layout": "fsdp2_tp", "recipe": name}) for name in names]
-        launched = F.launch(plan, 4, env={**S.ENV_FIXED, "ACCEL_FP8_FIX_CPU_TE_ARCH": arch}, timeout=600,
-                            suite_fn=Z.suite)
+        # NVFP4's random Hadamard transform takes bf16 only (TE refuses it on a GPU too): these fp32 models
+        # run NVFP4 without it
+        env = {**S.ENV_FIXED, "ACCEL_FP8_FIX_CPU_TE_ARCH": arch, "NVTE_NVFP4_DISABLE_RHT": "1"}
+        launched = F.launch(plan, 4, env=env, timeout=600, suite_fn=Z.suite)
         for name, kwargs in plan:
             out[kwargs["recipe"]] = S.facts_of(launched, S.key_of(plan, name, kwargs))
     return out
