@@ -13,6 +13,7 @@ STEPS = 10
 LR = 0.05
 GLOBAL_BATCH = 32  # 8 tokens per rank on 4 ranks: TE's FP8 GEMMs need a multiple of 8 per rank
 RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
+CLIP = 0.9  # max grad norm: below the model's norm for the first steps, so clipping acts (asserted in the tests)
 
 
 def _global_batch(dim=S.DIM):
@@ -30,8 +31,8 @@ def _freeze(model, frozen):
 
 
 def _reference_fp8_losses(steps=STEPS, frozen=()):
-    """The same FP8 model trained in this one process on the full batch (no collectives:
-    reduce_amax=False — one process already sees every sample's amax)."""
+    """(losses, grad norms before clipping) of the same FP8 model trained in this one process on the full
+    batch, clipped to ``CLIP`` (no collectives: reduce_amax=False — one process already sees every sample's amax)."""
     import torch
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
@@ -51,17 +52,18 @@ def _reference_fp8_losses(steps=STEPS, frozen=()):
                                       reduce_amax=False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = _global_batch()
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         with te_autocast(te)(True, recipe, None):
             out = model(x)
         loss = torch.nn.functional.mse_loss(out.float(), y)
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     reset_te_global_state()
-    return losses
+    return losses, norms
 
 
 def reset_te_global_state():
@@ -95,6 +97,19 @@ def check_losses(f, reference):
     assert f["losses"][0] == pytest.approx(reference[0], rel=1e-6)
     assert f["losses"][1] == pytest.approx(reference[1], rel=1e-3)
     assert f["losses"] == pytest.approx(reference, rel=1e-2)
+
+
+def check_grad_norms(f):
+    """The norm ``clip_grad_norm_`` returned (as ``float()`` reads it) is the one-process norm, and clipping
+    acted on it (the reference norm exceeds ``CLIP``; the losses after clipped updates match in check_losses).
+    Within FP8 resolution: the per-rank backward casts its own gradients to E5M2, so single roundings differ
+    from the whole batch's (the exact comparison is test_rehearsal.py's, precision "no"). One rank's share,
+    the failure this guards against (A17), is 29% or more off."""
+    import pytest
+
+    assert len(f["grad_norms"]) == len(f["losses"]) and f["reference_grad_norms"][0] > CLIP
+    assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=2e-2), (f["grad_norms"],
+                                                                                   f["reference_grad_norms"])
 
 
 def reduced_fp8_state(model) -> dict:
@@ -132,7 +147,7 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
                              wrap_cls=["Block"], fp8_recipe=RECIPE,
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
-    reference = _reference_fp8_losses(steps, frozen)
+    reference, reference_norms = _reference_fp8_losses(steps, frozen)
     model = _freeze(S.block_stack(seed=0), frozen)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     model, opt = acc.prepare(model, opt)
@@ -157,10 +172,12 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
     x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     S.te_reset()
     fwd_gemms = S.count_forward_gemms(te_mods)
-    losses, same_state = [], []
+    losses, same_state, norms = [], [], []
     for _ in range(steps):
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
         acc.backward(loss)
+        # float() as a training script logs it: the returned norm must already be the whole mesh's (A17)
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         global_loss = loss.detach().clone()
@@ -171,6 +188,8 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
     facts.update(
         losses=losses,
         reference=reference,
+        grad_norms=norms,
+        reference_grad_norms=reference_norms,
         fp8_state_identical_every_step=same_state,
         fp8_gemms_fwd_per_module=dict(fwd_gemms),
         fp8_gemms_fwd=stats["fp8_gemms_fwd"], fp8_gemms_bwd=stats["fp8_gemms_bwd"],

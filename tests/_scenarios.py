@@ -372,7 +372,12 @@ def _train(acc, model, opt, batch_fn, steps: int):
         loss = batch_fn(model)
         acc.backward(loss)
         norm = acc.clip_grad_norm_(model.parameters(), CLIP)
-        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        # With the fixes on, float() as a training script logs it: the returned norm must already be the whole
+        # mesh's (A17). Stock accelerate (rehearsal-only runs) on torch 2.9 returns a Partial DTensor whose
+        # float() is one rank's share, so there the norm is gathered first.
+        if not fixes_active() and hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        norms.append(float(norm))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
@@ -556,7 +561,8 @@ def sc_a1_tp_te(rank, world_size):
         facts["prepare_error"] = None
     except Exception as exc:  # noqa: BLE001
         facts["prepare_error"] = err(exc)
-        facts["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
+        # the source lines of the frames, innermost last (torch releases add frames of their own below)
+        facts["traceback_tail"] = [f.line for f in traceback.extract_tb(exc.__traceback__) if f.line][-12:]
         return facts
     facts.update(param_facts(model))
     te_reset()

@@ -306,7 +306,16 @@ def _noting(where):
 
 # wrappers declared in patches/*.toml
 backward = _noting("Accelerator.backward")
-clip_grad_norm_ = _noting("Accelerator.clip_grad_norm_")
+
+
+def clip_grad_norm_(wrapped, instance, args, kwargs):
+    from ..fixes.grad_norm import clip_grad_norm_ as fix
+
+    try:
+        return fix(wrapped, instance, args, kwargs)
+    except Exception as exc:
+        annotate(exc, _model_of(instance) if instance is not None else None, "Accelerator.clip_grad_norm_")
+        raise
 
 
 def optimizer_step(wrapped, instance, args, kwargs):

@@ -93,9 +93,9 @@ def test_stock_accelerate_a1_error_explained_naming_the_module(stock):
     for f in S.facts_of(stock, "sc_stock_errors_explained"):
         assert f["fixes_active"] is False
         e = f["a1"]
-        assert e["type"] == "RuntimeError" and e["str"] == (
-            "aten.copy_.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before "
-            "calling distributed operators!")
+        # torch's own message, matched by meaning (2.9 words it "aten.copy_.default: got mixed ...")
+        assert e["type"] == "RuntimeError" and e["str"].startswith("aten.copy_.default"), e["str"]
+        assert "mixed torch.Tensor and DTensor" in e["str"], e["str"]
         assert ("transformer_engine.py", "convert_model") in e["frames"]  # raised where stock raises it
         note = e["notes"][0]
         assert "module model.layers.0.self_attn.q_proj (Linear; weight: DTensor [Shard(dim=0)])" in note

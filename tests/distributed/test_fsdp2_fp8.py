@@ -68,6 +68,13 @@ def test_losses_match_the_single_process_fp8_reference(train2):
     assert reference[-1] < 0.8 * reference[0]  # it trains
 
 
+def test_clipped_grad_norm_is_the_single_process_norm(train2):
+    """``accelerator.clip_grad_norm_`` on FSDP2's sharded gradients returns the whole model's norm as
+    ``float()`` reads it (A17: torch 2.9 returned a Partial DTensor whose float() is one rank's share)."""
+    for f in train2:
+        F.check_grad_norms(f)
+
+
 def test_two_dim_data_parallel_mesh_flattens_into_one_amax_group():
     for f in _facts(PLAN_4, 4, "sc_fsdp2_fp8_train"):
         assert f["mesh_ranks"] == [0, 1, 2, 3]
@@ -78,6 +85,7 @@ def test_two_dim_data_parallel_mesh_flattens_into_one_amax_group():
         assert f["fp8_state_identical_every_step"] == [True] * 4
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-6)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+        F.check_grad_norms(f)  # HSDP: the norm is reduced over dp_replicate x dp_shard
 
 
 def test_no_convertible_layer_warns_names_them_and_trains_in_high_precision():
@@ -165,6 +173,7 @@ def test_frozen_first_layers_keep_one_backward_reduction_and_the_reference_losse
         # frozen layers whose input needs no grad run neither dgrad nor wgrad
         assert f["fp8_gemms_bwd"] == bwd_gemms_per_step * 4
         F.check_losses(f, f["reference"])
+        F.check_grad_norms(f)
 
 
 def test_fsdp2_with_mxfp8_from_accelerates_recipe_kwargs():

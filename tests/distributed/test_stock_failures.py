@@ -35,10 +35,11 @@ def test_a1_tp_plus_te_prepare_raises_mixed_tensor_dtensor(two):
     for f in _facts(two, S.PLAN_2RANK, "sc_a1_tp_te"):
         assert f["distributed_type"] == "MULTI_GPU" and f["mixed_precision"] == "fp8"
         assert f["mesh"] == {"device_type": "cpu", "dim_names": ["tp"], "shape": [2]}
-        assert f["prepare_error"] == (
-            "RuntimeError: aten.copy_.default got mixed torch.Tensor and DTensor, need to convert all "
-            "torch.Tensor to DTensor before calling distributed operators!"
-        )
+        # torch's message matched by meaning (its wording changed across releases: 2.9 and 2.13 differ):
+        # a RuntimeError from DTensor dispatch of aten.copy_ that names the mixed Tensor / DTensor operands
+        error = f["prepare_error"]
+        assert error.startswith("RuntimeError: ") and "aten.copy_" in error, error
+        assert "mixed torch.Tensor and DTensor" in error, error
         # ... raised where the field notes say: convert_model's te_module.weight.copy_(module.weight)
         assert "te_module.weight.copy_(module.weight)" in "\n".join(f["traceback_tail"])
 
