@@ -2,7 +2,8 @@
 
 NCCL refuses two ranks on the same device; gloo moves CUDA tensors through host memory. Each collective
 FSDP2 and TE use is tried on CUDA tensors and its values checked. Prints one ``RANKS_PROBE {json}`` line
-per rank. Usage: ``torchrun --nproc_per_node 2 gpu_kit/ranks_probe.py gloo``.
+per rank. Usage: ``torchrun --nproc_per_node 2 gpu_kit/ranks_probe.py gloo [cuda|cpu]`` (cpu: the probe's own
+check, on CPU tensors).
 """
 
 import json
@@ -14,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 
-def main(backend: str) -> None:
+def main(backend: str, device_type: str = "cuda") -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     result = {"backend": backend, "rank": rank, "world_size": world, "ops": {}}
 
     def attempt(name, run):
@@ -46,6 +48,16 @@ def main(backend: str) -> None:
         dist.reduce_scatter_tensor(out, torch.arange(8 * world, device=device).float())
         return torch.equal(out, world * torch.arange(8 * rank, 8 * rank + 8, device=device).float())
 
+    def reduce_scatter_tensor_avg():  # what FSDP2 uses for fp32 / bf16 gradients at world size > 1
+        out = torch.empty(8, device=device)
+        dist.reduce_scatter_tensor(out, torch.arange(8 * world, device=device).float(), op=dist.ReduceOp.AVG)
+        return torch.equal(out, torch.arange(8 * rank, 8 * rank + 8, device=device).float())
+
+    def all_gather_into_tensor_bf16():  # FSDP2's all-gather in a bf16 parameter dtype
+        out = torch.empty(8 * world, device=device, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(out, torch.full((8,), float(rank), device=device, dtype=torch.bfloat16))
+        return torch.equal(out.float(), torch.arange(world, device=device).float().repeat_interleave(8))
+
     def broadcast():
         x = torch.full((8,), float(rank), device=device)
         dist.broadcast(x, src=0)
@@ -58,21 +70,26 @@ def main(backend: str) -> None:
 
     try:
         kwargs = {"device_id": device} if backend == "nccl" else {}
+        result["device"] = str(device)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=30), **kwargs)
         result["init"] = "ok"
         for name, run in (("all_reduce", all_reduce), ("all_reduce_max", all_reduce_max),
                           ("all_gather_into_tensor", all_gather_into_tensor),
-                          ("reduce_scatter_tensor", reduce_scatter_tensor), ("broadcast", broadcast),
+                          ("reduce_scatter_tensor", reduce_scatter_tensor),
+                          ("reduce_scatter_tensor_avg", reduce_scatter_tensor_avg),
+                          ("all_gather_into_tensor_bf16", all_gather_into_tensor_bf16), ("broadcast", broadcast),
                           ("all_gather", all_gather_list)):
             attempt(name, run)
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001
         result["init"] = f"{type(exc).__name__}: {str(exc)[:400]}"
     finally:
-        print("RANKS_PROBE " + json.dumps(result), flush=True)
+        sys.stdout.flush()
+        os.write(1, ("RANKS_PROBE " + json.dumps(result) + "\n").encode())  # one write: ranks share the pipe
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "gloo")
+    main(sys.argv[1] if len(sys.argv) > 1 else "gloo", sys.argv[2] if len(sys.argv) > 2 else "cuda")

@@ -11,7 +11,8 @@
   built here loaded (Python loads an extension with every symbol bound, so a torch / TE-core ABI mismatch
   fails here); the kit's site runs this package's .pth trampoline (the accelerate config flag path).
   It cannot show anything a GPU decides: kernels, FP8 support, NCCL, the GPU machine's C/C++ runtime.
-* The throughput benchmark's logic, ``--tiny`` on CPU over TE's real Python and the CPU rehearsal.
+* The GPU-side scripts' logic on CPU: the rank probe's expectations (gloo, CPU tensors), the throughput
+  benchmark (``--tiny``, over TE's real Python and the CPU rehearsal).
 """
 
 from __future__ import annotations
@@ -191,6 +192,20 @@ def test_dry_run_site_runs_the_trampoline_so_the_config_flag_reaches_workers(dry
     assert started is True, done.stdout + done.stderr  # imported at start-up by the .pth, through sitecustomize
     assert patch_set.startswith("accelerate-"), done.stdout
     assert mode.startswith("accelerate config"), mode
+
+
+# -- the GPU-side scripts' own logic, on CPU -----------------------------------------------------------------
+def test_rank_probe_expects_what_each_collective_returns(tmp_path):
+    """On CPU tensors over gloo every collective of the probe passes: on the GPU, a failure is gloo's answer
+    for CUDA tensors, not a wrong expectation of the probe."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "gpu_kit" / "ranks_probe.py"), "gloo", "cpu"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    ranks = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("RANKS_PROBE ")]
+    assert done.returncode == 0 and len(ranks) == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    for result in ranks:
+        assert result["init"] == "ok" and result["device"] == "cpu"
+        assert len(result["ops"]) == 8 and set(result["ops"].values()) == {"ok"}, result
 
 
 # -- the benchmark's logic on CPU ---------------------------------------------------------------------------
