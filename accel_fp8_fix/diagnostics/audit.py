@@ -174,6 +174,8 @@ class AuditReport:
 def _short(why: str) -> str:
     if "FSDP2 unit" in why:
         return "its own FSDP2 unit"
+    if "output layer" in why:
+        return "output layer, transformers' TP"
     if "no Transformer Engine" in why and "TP style" in why:
         return "TP layout TE cannot express"
     return why.split(":")[0][:80]

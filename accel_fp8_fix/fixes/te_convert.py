@@ -27,6 +27,53 @@ from .local_shards import install_local_shards
 logger = logging.getLogger(__name__)
 
 TP_ATTR = "_accel_fp8_fix_tp"  # (parallel_mode, tp_mesh) recorded before FSDP2 wraps the parameters
+OUTPUT_LAYER_ATTR = "_accel_fp8_fix_output_layer"  # the model's output embedding (lm_head): kept as transformers shards it
+
+
+def _adapter(module: nn.Module, mode) -> str | None:
+    """"gather_output" / "split_input" when the module's TP style is TE's ``mode`` plus one redistribution."""
+    from torch.distributed.tensor import Replicate
+
+    style = transformers_tp.tp_style(module)
+    layouts = transformers_tp.style_layouts(style) if style is not None else None
+    if layouts is None:
+        return None
+    inp, out, local = layouts
+    if not local:
+        return None
+    if mode == "column" and inp == Replicate() and out == Replicate():
+        return "gather_output"
+    if mode == "row" and inp == Replicate() and out == Replicate():
+        return "split_input"
+    return None
+
+
+class _GatherOutput:
+    """Forward hook: TE column mode returns this rank's slice of the output features; the style gathers them
+    (backward: each rank keeps its slice of the gradient) — transformers' own redistribution, on the TP mesh."""
+
+    def __init__(self, tp_mesh):
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, module, args, output):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        local = DTensor.from_local(output, self.tp_mesh, [Shard(-1)], run_check=False)
+        return local.redistribute(placements=[Replicate()]).to_local()
+
+
+class _SplitInput:
+    """Forward pre-hook: the input arrives replicated, TE row mode takes this rank's slice of its last dim
+    (backward: the slices' gradients are gathered into the replicated input's)."""
+
+    def __init__(self, tp_mesh):
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, module, args):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        full = DTensor.from_local(args[0], self.tp_mesh, [Replicate()], run_check=False)
+        return (full.redistribute(placements=[Shard(-1)]).to_local(),) + tuple(args[1:])
 
 
 @dataclass
@@ -59,6 +106,9 @@ def record_tp_layout(model: nn.Module) -> dict:
             raise ValueError(f"accel_fp8_fix: {name}.weight has placement {placement}, which TE's TP cannot express")
         setattr(module, TP_ATTR, (mode, module.weight.device_mesh))
         layout[name] = mode
+    output_layer = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(output_layer, nn.Module):
+        setattr(output_layer, OUTPUT_LAYER_ATTR, True)
     return layout
 
 
@@ -66,8 +116,10 @@ def _te_tp_mismatch(module: nn.Module, mode) -> str | None:
     """Why TE's own TP cannot reproduce the layout transformers gave this Linear (None when it can).
 
     TE column mode takes the full input and returns the local output shard; row mode takes the local
-    input shard and returns the all-reduced output. Styles that gather the output (lm_head's
-    ``colwise_gather_output``) or use other layouts keep their transformers wrapper; so does a style this
+    input shard and returns the all-reduced output. Two more layouts are TE's plus one redistribution
+    (:func:`_adapter`): a column layer whose output is gathered (Phi3's fused ``qkv_proj`` / ``gate_up_proj``,
+    ``colwise_gather_output``) and a row layer whose input arrives replicated (``rowwise_split_input``).
+    The model's output layer (lm_head) keeps transformers' TP in high precision; so does a style this
     package does not know (fail closed).
     """
     style = transformers_tp.tp_style(module)
@@ -81,6 +133,11 @@ def _te_tp_mismatch(module: nn.Module, mode) -> str | None:
     inp, out, local = layouts
     want = {"column": (Replicate(), Shard(-1)), "row": (Shard(-1), Replicate())}[mode]
     if (inp, out) == want and local:
+        return None
+    if _adapter(module, mode) is not None:
+        if getattr(module, OUTPUT_LAYER_ATTR, False):
+            return (f"it is the model's output layer (logits; TP style {type(style).__name__} gathers its output): "
+                    "kept in high precision with transformers' TP")
         return None
     return (f"its TP style {type(style).__name__}(input {inp}, output {out}, local output {local}) has no "
             f"Transformer Engine {mode}-parallel equivalent")
@@ -147,6 +204,11 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
                     continue
                 new = _new_linear(te, child, name)
                 install_token_check(new, name)
+                adapter = _adapter(child, mode) if tp_size > 1 else None
+                if adapter == "gather_output":
+                    new.register_forward_hook(_GatherOutput(tp_mesh))
+                elif adapter == "split_input":  # before the token check: it checks the slice TE gets
+                    new.register_forward_pre_hook(_SplitInput(tp_mesh), prepend=True)
                 names = ["weight"] + (["bias"] if child.bias is not None else [])
             elif convert_layernorm and isinstance(child, nn.LayerNorm):
                 if len(child.normalized_shape) != 1 or child.weight is None or child.bias is None:
