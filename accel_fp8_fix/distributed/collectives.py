@@ -284,10 +284,8 @@ def broadcast_(tensor, *, src: int = 0, mesh=None, dims=None, group=None, name: 
     return tensor
 
 
-def all_reduce_(tensor, op=None, *, mesh=None, dims=None, group=None, name: str | None = None):
-    """In-place all-reduce (default SUM) of ``tensor`` (plain, or a DTensor's local tensor over replicated dims)."""
-    op = dist.ReduceOp.SUM if op is None else op
-    local, group = _resolve(tensor, mesh=mesh, dims=dims, group=group, name=name, op="all_reduce")
+def _all_reduce_local(local: torch.Tensor, op, group) -> None:
+    """All-reduce a plain (local) tensor in place on ``group``, through a contiguous buffer if need be."""
     with torch.no_grad():
         if local.is_contiguous():
             dist.all_reduce(local, op=op, group=group)
@@ -295,6 +293,13 @@ def all_reduce_(tensor, op=None, *, mesh=None, dims=None, group=None, name: str 
             buf = local.contiguous()
             dist.all_reduce(buf, op=op, group=group)
             local.copy_(buf)
+
+
+def all_reduce_(tensor, op=None, *, mesh=None, dims=None, group=None, name: str | None = None):
+    """In-place all-reduce (default SUM) of ``tensor`` (plain, or a DTensor's local tensor over replicated dims)."""
+    op = dist.ReduceOp.SUM if op is None else op
+    local, group = _resolve(tensor, mesh=mesh, dims=dims, group=group, name=name, op="all_reduce")
+    _all_reduce_local(local, op, group)
     return tensor
 
 
@@ -490,13 +495,7 @@ def all_reduce(tensor, mesh=None, dims=None, *, op=None, group=None, name: str |
     if group is None:
         return tensor
     op = dist.ReduceOp.SUM if op is None else op
-    with torch.no_grad():
-        if local.is_contiguous():
-            dist.all_reduce(local, op=op, group=group)
-        else:
-            buf = local.contiguous()
-            dist.all_reduce(buf, op=op, group=group)
-            local.copy_(buf)
+    _all_reduce_local(local, op, group)
     return tensor
 
 
