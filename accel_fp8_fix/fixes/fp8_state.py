@@ -30,12 +30,19 @@ class RegisteredState:
     dtype: torch.dtype
 
 
+def _is_composable_state(obj) -> bool:
+    """FSDP2's (or replicate's) per-module state, e.g. TE's ``_te_cached_parent_fsdp_state``: it holds the
+    parameters of a whole FSDP unit, none of them this module's own state."""
+    return any(c.__name__ == "_State" and c.__module__ == "torch.distributed._composable_state"
+               for c in type(obj).__mro__)
+
+
 def _walk(obj, path, depth, seen, out):
     if isinstance(obj, torch.Tensor):
         if not isinstance(obj, nn.Parameter):
             out.append((path, obj))
         return
-    if depth == 0 or id(obj) in seen:
+    if depth == 0 or id(obj) in seen or _is_composable_state(obj):
         return
     seen.add(id(obj))
     if isinstance(obj, dict):

@@ -40,6 +40,21 @@ def test_unifier_finds_registers_and_reports_unregistered_tensor_state():
                                              for k in ("scale", "amax_history")}
 
 
+def test_fsdp_state_cached_on_a_module_is_not_its_state():
+    # TE caches the enclosing FSDP2 unit's state on a module (_te_cached_parent_fsdp_state); the tensors in it
+    # (every parameter of the unit) belong to FSDP, not to the module: neither stray nor FP8 state.
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    module = FakeTE()
+    fsdp_state = FSDPState()
+    fsdp_state.held = SimpleNamespace(sharded=torch.zeros(5))
+    module._te_cached_parent_fsdp_state = fsdp_state
+    module.other = SimpleNamespace(held=SimpleNamespace(sharded=torch.zeros(5)))  # a plain object: still looked in
+    assert {p for p, _ in find_unregistered_tensors(module)} == {
+        ("fp8_meta", "scaling_fwd", "scale"), ("fp8_meta", "scaling_fwd", "amax_history"), ("workspace",),
+        ("other", "held", "sharded")}
+
+
 def test_buffers_and_fp8_meta_stay_one_tensor_after_casts_and_replacement():
     module = FakeTE()
     register_tensor_state(module, attrs=("fp8_meta",))
