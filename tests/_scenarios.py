@@ -537,6 +537,56 @@ def sc_mesh_2d(rank, world_size, dp_shard=2, tp=2, mixed_precision="no", steps=1
     return facts
 
 
+def load_sharded_by_transformers(model, tp_size: int, fsdp_size: int):
+    """N-D loading as transformers 5.x documents it: ``from_pretrained(path, distributed_config=
+    DistributedConfig(tp_size, fsdp_size))`` — transformers applies TP *and* FSDP2 at load, on a mesh of its own.
+    ``model`` is saved first by rank 0 (transformers saves and reads on rank 0 only) in a folder all ranks share."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import DistributedConfig
+
+    path = [tempfile.mkdtemp(prefix="accel_fp8_fix_nd_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    path = path[0]
+    try:
+        model.save_pretrained(path)  # rank 0 writes
+        dist.barrier()
+        config = DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size)
+        return type(model).from_pretrained(path, distributed_config=config, dtype=model.dtype)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# transformers' own meshes after DistributedConfig(tp_size=2, fsdp_size=2): parameters its TP plan shards on
+# ('fsdp', 'tp'), the others (norms) FSDP-sharded only, on 'fsdp'
+ND_LOADED_MESHES = [["cpu", ["fsdp"], [2]], ["cpu", ["fsdp", "tp"], [2, 2]]]
+
+
+def sc_a18_nd_loaded(rank, world_size, dp_shard=2, tp=2, mixed_precision="no", steps=2, lr=0.1):
+    """A18: the model loaded the supported way of transformers 5.x (TP ``tp`` x FSDP2 ``dp_shard`` applied at
+    load), then accelerate's prepare with the same sizes (auto-wrap by layer class, as accelerate's N-D example)."""
+    torch = _torch()
+    ensure_rehearsal(True)
+    acc = make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision=mixed_precision, wrap_cls=["LlamaDecoderLayer"])
+    model = load_sharded_by_transformers(tiny_llama(), tp_size=tp, fsdp_size=dp_shard)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    facts = {"loaded": param_facts(model)}
+    try:
+        model, opt = acc.prepare(model, opt)
+        facts["prepare_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        facts["prepare_error"] = err(exc)
+        return facts
+    facts.update(param_facts(model))
+    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
+    facts["reference_losses"], facts["reference_grad_norms"] = _reference_losses(tiny_llama, _lm, steps, lr)
+    return facts
+
+
 def _has_mesh_dim(mesh, name):
     try:
         mesh[name]
@@ -771,6 +821,8 @@ PLAN_2RANK = [
 PLAN_4RANK = [
     ("sc_fsdp2_train", {"dp_shard": 4}),
     ("sc_mesh_2d", {}),
+    ("sc_a18_nd_loaded", {}),
+    ("sc_a18_nd_loaded", {"dp_shard": 4, "tp": 1}),
     ("sc_a6_tp_full_sd", {}),
 ]
 

@@ -24,6 +24,7 @@ from .fp8_autocast import build_recipe, te_autocast, wrap_forward
 from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
+from .presharded import check_mesh_matches
 from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ def _prepare(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     model = _the_model(args)
     if model is not None:
+        check_mesh_matches(instance, model)  # a model transformers sharded at load (A18) must match the config
         record_tp_layout(model)
     setattr(instance, DEFER_FLAG, True)
     try:

@@ -83,6 +83,21 @@ def test_a10_fsdp2_x_tp_replicate_parallel_import(four):
         )
 
 
+def test_a18_model_sharded_at_load_by_transformers_fails_in_prepare(four):
+    """N-D loading the supported way of transformers 5.x (DistributedConfig: TP and/or FSDP2 applied at load),
+    then accelerate's prepare with the same sizes — in plain fp32, no TE involved. FSDP2 x TP stops at A10 first;
+    FSDP2 alone shows A18: stock resolves the auto-wrap policy on a model whose layer classes are FSDP
+    subclasses by then (fsdp2_prepare_model would have left the model as it is)."""
+    for f in _facts(four, S.PLAN_4RANK, "sc_a18_nd_loaded", {}):
+        loaded = f["loaded"]
+        assert loaded["all_dtensor"] and loaded["param_meshes"] == S.ND_LOADED_MESHES
+        assert loaded["model_type"] == "FSDPLlamaForCausalLM"
+        assert f["prepare_error"].startswith("ImportError: cannot import name 'ReplicateParallel'")  # A10
+    for f in _facts(four, S.PLAN_4RANK, "sc_a18_nd_loaded", {"dp_shard": 4, "tp": 1}):
+        assert f["loaded"]["model_type"] == "FSDPLlamaForCausalLM" and f["loaded"]["all_dtensor"]
+        assert f["prepare_error"] == "ValueError: Could not find the transformer layer class LlamaDecoderLayer in the model."
+
+
 def test_a6_full_state_dict_load_with_tp_sharded_params(four):
     """Rank 0 broadcasts its *local* TP shard, the other ranks receive into global-shape buffers (gloo does
     not notice); rank 0 then fails in load_state_dict with a size mismatch, the others load wrong values."""

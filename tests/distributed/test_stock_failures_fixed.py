@@ -62,6 +62,20 @@ def test_a10_fsdp2_x_tp_prepares_without_replicate_parallel(four):
         assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-4)  # clipped norm = one-process norm
 
 
+@pytest.mark.parametrize("sizes", [{}, {"dp_shard": 4, "tp": 1}], ids=["fsdp2_x_tp", "fsdp2"])
+def test_a18_model_sharded_at_load_by_transformers_prepares_and_trains_like_one_process(four, sizes):
+    for f in _facts(four, S.PLAN_4RANK, "sc_a18_nd_loaded", sizes):
+        assert f["prepare_error"] is None
+        # transformers' sharding kept as loaded (the same parameters, on transformers' own meshes)
+        assert f["all_dtensor"] and f["param_meshes"] == f["loaded"]["param_meshes"]
+        assert f["placements"] == f["loaded"]["placements"] and f["fsdp_modules"] == f["loaded"]["fsdp_modules"]
+        if not sizes:
+            assert f["param_meshes"] == S.ND_LOADED_MESHES
+            assert f["placements"]["model.layers.0.self_attn.o_proj.weight"] == ["S(0)", "S(1)"]  # FSDP Shard(0), TP row Shard(1)
+        assert f["losses"] == pytest.approx(f["reference_losses"], rel=1e-4)  # mixed precision "no": exact math
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-4)
+
+
 def test_a6_full_state_dict_load_with_tp_sharded_params_is_correct(four):
     key = S.key_of(S.PLAN_4RANK, "sc_a6_tp_full_sd")
     for rank in range(4):

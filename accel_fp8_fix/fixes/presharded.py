@@ -1,0 +1,68 @@
+"""Models transformers sharded at load (A18): ``from_pretrained(..., distributed_config=DistributedConfig(
+tp_size=T, fsdp_size=F))`` — the supported N-D loading of transformers 5.x, where transformers applies TP *and*
+FSDP2 itself on a mesh of its own (``fsdp`` x ``tp``). (The older ``tp_plan="auto", device_mesh=mesh`` that
+accelerate's N-D example passes builds a world-size TP mesh and ignores ``device_mesh``.)
+
+Stock ``_prepare_fsdp2`` leaves an FSDP2 model as it is (``fsdp2_prepare_model`` returns early) but first
+resolves the FSDP plugin's auto-wrap policy on it, and by then the layer classes are FSDP subclasses
+(``FSDPLlamaDecoderLayer``): ``ValueError: Could not find the transformer layer class LlamaDecoderLayer``, in
+bf16 as in FP8. Here the policy is not resolved for such a model (stock would not use it), and the patched
+prepare checks that the model's mesh matches the ParallelismConfig before converting to TE on its shards.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from .._log import say
+from ..distributed.collectives import is_dtensor
+
+logger = logging.getLogger(__name__)
+
+FSDP_DIM_NAMES = ("fsdp", "dp_shard", "dp_shard_cp")  # transformers' name, accelerate's names
+
+
+def is_presharded(model: nn.Module) -> bool:
+    """The model's root is already FSDP2-wrapped (``fully_shard`` ran before ``prepare``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) or isinstance(getattr(model, "_orig_mod", None), FSDPModule)
+
+
+def set_auto_wrap_policy(wrapped, instance, args, kwargs):
+    """``FullyShardedDataParallelPlugin.set_auto_wrap_policy``: not for a model FSDP2 already wraps."""
+    model = args[0] if args else kwargs.get("model")
+    if model is None or not is_presharded(model):
+        return wrapped(*args, **kwargs)
+    say(logger, logging.INFO,
+        f"accel_fp8_fix: {type(model).__name__} is already FSDP2-sharded (transformers' DistributedConfig, or "
+        "fully_shard before prepare): accelerate keeps its sharding, so the FSDP plugin's auto-wrap policy, mixed "
+        "precision policy, reshard_after_forward and CPU offload do not apply to it")
+    return None
+
+
+def check_mesh_matches(accelerator, model: nn.Module) -> None:
+    """A model sharded before ``prepare`` must be sharded as the ParallelismConfig says: a 'tp' dim (or an
+    unnamed 1-D TP mesh) of ``tp_size`` ranks and, when FSDP2 was applied at load, an FSDP dim of
+    ``dp_shard_size`` (x ``cp_size``) ranks; a clear error naming the parameter and both sizes otherwise."""
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is None:
+        return
+    want = {"tp": pc.tp_size}
+    if is_presharded(model):
+        want.update({n: pc.dp_shard_size * pc.cp_size for n in FSDP_DIM_NAMES})
+    for name, param in model.named_parameters():
+        if not is_dtensor(param):
+            continue
+        mesh = param.device_mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        sizes = dict(zip(names, mesh.shape)) if names else {"tp": mesh.size()}
+        wrong = {n: (have, want[n]) for n, have in sizes.items() if n in want and have != want[n]}
+        if wrong:
+            got = ", ".join(f"'{n}' has {have} ranks (ParallelismConfig: {w})" for n, (have, w) in wrong.items())
+            raise ValueError(
+                f"accel_fp8_fix: {name} was sharded before prepare on mesh {names} {tuple(mesh.shape)}: {got}. Load "
+                f"the model with the sizes of the accelerate config, e.g. DistributedConfig(tp_size={pc.tp_size}, "
+                f"fsdp_size={pc.dp_shard_size * pc.cp_size}), or change parallelism_config to match")
