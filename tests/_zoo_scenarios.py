@@ -21,7 +21,10 @@ SEQ = 16
 VOCAB = 256
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe")
 # layout: (dp_replicate, dp_shard, tp) on 4 ranks
-LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2, 2), "hsdp": (2, 2, None)}
+LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2, 2), "hsdp": (2, 2, None),
+           "fsdp2_tp_loaded": (None, 2, 2)}
+# sharded at load by transformers (DistributedConfig(tp_size, fsdp_size): its TP and its FSDP2), not by the test
+LOADED = {"fsdp2_tp_loaded"}
 DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
                  "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer"}
 
@@ -135,7 +138,11 @@ def _prepared(family, layout, seed, precision, recipe=None):
 
     acc = _accelerator(family, layout, precision, recipe)
     model = build(family, seed=seed)
-    if LAYOUTS[layout][2]:
+    _, dp_shard, tp = LAYOUTS[layout]
+    if layout in LOADED:
+        model = S.load_sharded_by_transformers(model, tp_size=tp, fsdp_size=dp_shard)
+        model.train()  # from_pretrained returns the model in eval mode, where TE autocast is off
+    elif tp:
         model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
@@ -209,6 +216,10 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
     }
     if out_dir:
         path = os.path.join(out_dir, f"{family}-{layout}")
+        model.eval()  # an evaluation pass before saving, as training scripts do: TE runs it without FP8 (A19)
+        with torch.no_grad():
+            model(**data)
+        model.train()
         try:
             acc.save_state(path)
         except ValueError as exc:  # A16: a TP-packed parameter (Qwen3-MoE experts) in a sharded save
@@ -218,7 +229,12 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
         saved = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
         saved_fp8 = {k: v.detach().clone() for k, v in fp8_state_tensors(model).items()}
         acc2, model2, _ = _prepared(family, layout, seed=1, precision=precision, recipe=recipe)  # different init: all must come from the checkpoint
-        acc2.load_state(path)
+        try:
+            acc2.load_state(path)
+        except Exception as exc:  # noqa: BLE001 — e.g. a DCP size mismatch of TE's _extra_state
+            facts["checkpoint_load_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            F.reset_te_global_state()
+            return facts
         got = {n: _full(p).detach() for n, p in model2.named_parameters()}
         got_fp8 = fp8_state_tensors(model2)
         facts["checkpoint_param_mismatch"] = sorted(n for n, t in saved.items() if n not in got or not torch.equal(got[n], t))
@@ -227,6 +243,22 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
         facts["checkpoint_fp8_compared"] = len(saved_fp8)
     F.reset_te_global_state()
     return facts
+
+
+def sc_loaded_mesh_mismatch(rank, world_size):
+    """A model transformers sharded TP 4 at load, prepared under dp_shard 2 x tp 2: refused by name, before
+    anything is converted."""
+    import torch
+
+    acc = _accelerator("llama", "fsdp2_tp", "fp8")
+    model = S.load_sharded_by_transformers(build("llama"), tp_size=4, fsdp_size=1)
+    try:
+        acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+        return {"error": None}
+    except ValueError as exc:
+        return {"error": str(exc), "te_modules": sum(1 for m in model.modules() if hasattr(m, "fp8_meta"))}
+    finally:
+        F.reset_te_global_state()
 
 
 def suite(rank, world_size, plan):

@@ -51,6 +51,21 @@ def _refuse_strided_sharded_save(accelerator, models) -> None:
             )
 
 
+def _checkpoint_fp8_state(module, prefix=None, keep_vars=None) -> None:
+    module.fp8_meta["fp8_checkpoint"] = True
+
+
+def keep_fp8_state_in_checkpoints(module) -> None:
+    """A TE module's ``get_extra_state`` returns an empty tensor unless its last forward ran in FP8
+    (``fp8_meta["fp8_checkpoint"]``, reset by every forward): after an evaluation pass in eval mode (no FP8
+    autocast) a checkpoint would drop every scale and amax history — and a sharded load into a model that has
+    them fails with a size mismatch. Every ``state_dict`` of the module (save_state, DCP, get_state_dict, the
+    user's own) keeps the FP8 state this package created at prepare."""
+    if not getattr(module, "_accel_fp8_fix_keeps_fp8_state", False):
+        module.register_state_dict_pre_hook(_checkpoint_fp8_state)
+        module._accel_fp8_fix_keeps_fp8_state = True
+
+
 def save_state(wrapped, instance, args, kwargs):
     """``Accelerator.save_state``: the pending (row 0) amax is MAX-reduced on the amax group first; a sharded
     save of a TP-packed parameter is refused up front, naming it (A16)."""

@@ -8,6 +8,10 @@ from __future__ import annotations
 import inspect
 from types import MethodType
 
+import torch
+
+from .._log import warn_user
+
 from ..internals.accelerate_internals import unwrap_accelerate_autocast
 
 
@@ -28,6 +32,16 @@ def build_recipe(handler):
     return build(handler)
 
 
+def warn_eval_mode_training(model) -> None:
+    """A forward with gradients on while the model is in eval mode runs without FP8 (TE autocast follows
+    ``model.training`` unless ``use_autocast_during_eval``): ``from_pretrained`` returns models in eval mode, so a
+    script that loads and trains without ``model.train()`` would train in high precision without a word."""
+    warn_user(
+        f"accel_fp8_fix: {type(model).__name__} is in eval mode (from_pretrained returns models in eval mode) and "
+        "this forward tracks gradients: it runs WITHOUT FP8, as TE autocast is off in eval mode. Call model.train() "
+        "before training (or set use_autocast_during_eval=True in TERecipeKwargs to run eval in FP8 too)")
+
+
 def wrap_forward(model, te, recipe, group, use_during_eval: bool) -> None:
     """Run ``model.forward`` under TE autocast. accelerate's own TE wrapper (``contextual_fp8_autocast``,
     which passes no group) is replaced; any other wrapper (fp32 outputs, bf16 autocast) is kept inside."""
@@ -43,6 +57,8 @@ def wrap_forward(model, te, recipe, group, use_during_eval: bool) -> None:
 
     def fp8_forward(self, *args, **kwargs):
         enabled = use_during_eval or self.training
+        if not enabled and torch.is_grad_enabled():
+            warn_eval_mode_training(self)
         with autocast(enabled, recipe, group):
             return target(*args, **kwargs) if bound else target(self, *args, **kwargs)
 

@@ -23,6 +23,7 @@ from .activation_checkpointing import route_checkpointing_through_te
 from .fp8_autocast import build_recipe, te_autocast, wrap_forward
 from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
+from .checkpoint import keep_fp8_state_in_checkpoints
 from .fp8_state_loading import install_safe_loading
 from .presharded import check_mesh_matches
 from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
@@ -158,6 +159,7 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=("fp8_meta",))
     for module in conversion.te_modules:
         install_safe_loading(module)
+        keep_fp8_state_in_checkpoints(module)  # also after an eval pass, where TE would save none (A19)
     if group is not None:
         broadcast_fp8_state(model, group, src=ranks[0])
     wrap_forward(model, te, recipe, group, use_during_eval)

@@ -21,13 +21,15 @@ FULL = os.environ.get("ACCEL_FP8_FIX_ZOO") == "full"
 # FSDP2 x TP for every family (with a checkpoint round trip); TP where families differ (norms inside
 # attention, fused projections, MoE); FSDP2 / HSDP once each beyond Llama (tested in test_fsdp2_fp8.py);
 # and Qwen3 FSDP2 x TP without FP8, where gradients must equal the reference exactly.
-PLAN_2D = [("sc_zoo", {"family": f, "layout": "fsdp2_tp", "out_dir": None}) for f in Z.FAMILIES]
+PLAN_2D = [("sc_zoo", {"family": f, "layout": "fsdp2_tp", "out_dir": None}) for f in Z.FAMILIES] + [
+    ("sc_zoo", {"family": "llama", "layout": "fsdp2_tp_loaded", "out_dir": None})]  # N-D loading (A18), as the demo
 PLAN_OTHER = (
     [("sc_zoo", {"family": f, "layout": l}) for l in ("fsdp2", "tp", "hsdp") for f in Z.FAMILIES]
     if FULL else
     [("sc_zoo", {"family": f, "layout": "tp"}) for f in ("qwen3", "gemma3", "phi3", "qwen3_moe")]
     + [("sc_zoo", {"family": "qwen2", "layout": "fsdp2"}), ("sc_zoo", {"family": "qwen3_moe", "layout": "hsdp"})]
-) + [("sc_zoo", {"family": "qwen3", "layout": "fsdp2_tp", "precision": "no"})]
+) + [("sc_zoo", {"family": "qwen3", "layout": "fsdp2_tp", "precision": "no"}),
+      ("sc_zoo", {"family": "qwen3", "layout": "fsdp2_tp_loaded"})]  # transformers' own grad all-reduce style, 2-D
 
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory):
@@ -37,9 +39,10 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zoo(ckpt_dir):
     plan_2d = [(n, {**kw, "out_dir": ckpt_dir}) for n, kw in PLAN_2D]
-    first = Z.launch(plan_2d, 4)
-    second = Z.launch(PLAN_OTHER, 4)
     out = {}
+    first = Z.launch(plan_2d, 4)
+    second = Z.launch(PLAN_OTHER + [("sc_loaded_mesh_mismatch", {})], 4)
+    out["mesh_mismatch"] = S.facts_of(second, "sc_loaded_mesh_mismatch")
     for plan, launched in ((plan_2d, first), (PLAN_OTHER, second)):
         for name, kwargs in plan:
             key = S.key_of(plan, name, kwargs)
@@ -78,12 +81,21 @@ def test_family_trains_like_the_single_process_reference(zoo, family, layout, pr
         assert max(errors.values()) < (0.35 if fp8 else 1e-5), errors
 
 
-@pytest.mark.parametrize("family", Z.FAMILIES)
-def test_fsdp2_x_tp_checkpoint_round_trips_bit_for_bit(zoo, family):
-    for f in zoo[(family, "fsdp2_tp", "fp8")]:
+@pytest.mark.parametrize("family,layout", [(f, "fsdp2_tp") for f in Z.FAMILIES] + [("llama", "fsdp2_tp_loaded")])
+def test_fsdp2_x_tp_checkpoint_round_trips_bit_for_bit(zoo, family, layout):
+    for f in zoo[(family, layout, "fp8")]:
         if family == "qwen3_moe":  # A16: refused before any rank writes, naming the packed expert weight
             assert "model.layers.0.mlp.experts.gate_up_proj" in f["checkpoint_refused"]
             assert "FULL_STATE_DICT" in f["checkpoint_refused"]
             continue
+        # saved after an evaluation pass (no FP8 in eval): the FP8 state must still be in the checkpoint (A19)
+        assert f.get("checkpoint_load_error") is None, f["checkpoint_load_error"]
         assert f["checkpoint_param_mismatch"] == [] and f["checkpoint_fp8_mismatch"] == []
         assert f["checkpoint_fp8_compared"] > 0 and f["converted"]  # FP8 state (scales, amax histories) too
+
+
+def test_a_model_sharded_at_load_with_other_sizes_is_refused_by_name(zoo):
+    for f in zoo["mesh_mismatch"]:
+        assert f["error"] is not None and f["te_modules"] == 0  # refused before any conversion
+        assert f["error"].startswith("accel_fp8_fix: model.embed_tokens.weight was sharded before prepare on mesh")
+        assert "'tp' has 4 ranks (ParallelismConfig: 2)" in f["error"] and "DistributedConfig(tp_size=2, fsdp_size=2)" in f["error"]

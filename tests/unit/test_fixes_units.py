@@ -100,6 +100,21 @@ def _autocast_wrapper(rank, world_size):
     model.forward = contextual_fp8_autocast(model.forward, recipe, False).__get__(model)
     wrap_forward(model, te, recipe, None, False)
     out["unwrapped_to"] = type(model.forward.__func__.__wrapped__).__name__
+    # eval mode (what from_pretrained returns) with gradients on: no FP8, and the user is told once
+    import warnings
+
+    model = te.Linear(16, 16, device="cpu")
+    wrap_forward(model, te, recipe, None, False)
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            model(torch.randn(8, 16))  # inference: silent
+        te_on_cpu.reset_stats()
+        model(torch.randn(8, 16)).sum().backward()
+        model(torch.randn(8, 16))
+    out["eval_grad_fp8_gemms"] = te_on_cpu.stats()["fp8_gemms"]
+    out["eval_warnings"] = [str(w.message) for w in caught if "eval mode" in str(w.message)]
     return out
 
 
@@ -108,6 +123,44 @@ def test_autocast_wrapper_honours_train_eval_and_replaces_accelerates_wrapper():
     assert result[False] == (1, 0)  # FP8 in training, high precision in eval (accelerate's default)
     assert result[True] == (1, 1)  # use_autocast_during_eval=True: FP8 in eval too
     assert result["unwrapped_to"] == "method"  # the bound original forward, not accelerate's wrapper
+    assert result["eval_grad_fp8_gemms"] == 0 and len(result["eval_warnings"]) == 1  # once, not per forward
+    assert "Linear is in eval mode" in result["eval_warnings"][0] and "model.train()" in result["eval_warnings"][0]
+
+
+def _extra_state_after_eval(rank, world_size):
+    """One rank, TE's real Python on CPU: the size of a TE Linear's saved _extra_state after FP8 training then
+    an eval pass (no FP8), without and with keep_fp8_state_in_checkpoints."""
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    te_on_cpu.install()
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes.checkpoint import keep_fp8_state_in_checkpoints
+
+    out = {}
+    for keep in (False, True):
+        module = te.Linear(16, 16, device="cpu")
+        if keep:
+            keep_fp8_state_in_checkpoints(module)
+            keep_fp8_state_in_checkpoints(module)  # idempotent: one hook
+        with te.autocast(enabled=True, recipe=te_recipe.DelayedScaling()):
+            module(torch.randn(16, 16)).sum().backward()
+        trained = module.state_dict()["_extra_state"].numel()
+        with torch.no_grad():
+            module(torch.randn(16, 16))  # eval pass: TE autocast off
+        out[keep] = (trained, module.state_dict()["_extra_state"].numel(), len(module._state_dict_pre_hooks))
+    return out
+
+
+def test_fp8_state_stays_in_checkpoints_after_an_eval_pass():
+    """A19: TE saves its FP8 state only if its last forward ran in FP8; an evaluation pass before save_state
+    would write an empty _extra_state (scales and amax histories lost; a sharded load then fails)."""
+    (result,) = run_distributed(_extra_state_after_eval, 1, timeout=120)
+    trained, after_eval, _ = result[False]
+    assert trained > 0 and after_eval == 0  # TE's own behaviour: the state is dropped
+    trained, after_eval, hooks = result[True]
+    assert after_eval == trained > 0 and hooks == 1
 
 
 def test_fp8_shape_rule_is_checked_on_the_tp_local_shard():
