@@ -1,7 +1,9 @@
 """The demo: a small transformers Llama trained with FSDP2 (dp_shard 2) x tensor parallelism (tp 2) and
 Transformer Engine FP8, through `accelerate launch` — and the script never imports accel_fp8_fix.
 
-Everything comes from the accelerate config file (examples/fsdp2_tp_fp8.yaml): FSDP2, the
+The model is loaded the way transformers 5.x documents N-D loading, ``from_pretrained(...,
+distributed_config=DistributedConfig(tp_size, fsdp_size))``, with the sizes of the accelerate config.
+Everything else comes from the accelerate config file (examples/fsdp2_tp_fp8.yaml): FSDP2, the
 parallelism config, `mixed_precision: fp8` with the TE backend, and `fp8_config: {accel_fp8_fix: true}`,
 which switches this package on in every worker. scripts/demo.sh runs it on 4 CPU processes (gloo) with
 Transformer Engine's real Python over a CPU kernel shim (the rehearsal); on GPUs with real TE the script
@@ -27,16 +29,34 @@ def build_model(seed=0):
     return LlamaForCausalLM(config)
 
 
-def shard_tensor_parallel(model, tp_mesh):
-    """Shard the model with transformers' own TP plan on the accelerator's "tp" mesh (as `from_pretrained(...,
-    tp_plan="auto")` does at load)."""
-    from transformers.distributed.configuration_utils import DistributedConfig
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+def save_demo_checkpoint(accelerator) -> str:
+    """The demo's stand-in for a Hub checkpoint: rank 0 saves ``build_model()`` in a temporary folder (removed
+    at exit) that every rank then loads from."""
+    import atexit
+    import shutil
+    import tempfile
 
-    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))[0]
-    apply_tensor_parallelism(model, tp_mesh, plan)
-    model._tp_size = tp_mesh.size()
-    return model
+    from accelerate.utils import broadcast_object_list
+
+    path = [None]
+    if accelerator.is_main_process:
+        path = [tempfile.mkdtemp(prefix="accel_fp8_fix_demo_")]
+        build_model().save_pretrained(path[0])
+        atexit.register(shutil.rmtree, path[0], True)
+    broadcast_object_list(path)
+    return path[0]
+
+
+def load_model(path, accelerator):
+    """Load the model sharded N-D the way transformers 5.x documents it: ``from_pretrained(...,
+    distributed_config=DistributedConfig(tp_size, fsdp_size))`` with the sizes of the accelerate config.
+    transformers applies its TP plan and FSDP2 at load; prepare converts to TE on those shards."""
+    from transformers import DistributedConfig
+
+    pc = accelerator.parallelism_config
+    config = DistributedConfig(tp_size=pc.tp_size, fsdp_size=pc.dp_shard_size)
+    model = LlamaForCausalLM.from_pretrained(path, distributed_config=config)
+    return model.train()  # from_pretrained returns eval mode, where TE autocast (FP8) is off
 
 
 def main(steps):
@@ -45,6 +65,9 @@ def main(steps):
     warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # torch, on accelerate's mesh slicing
     logging.basicConfig(format="%(message)s", level=logging.WARNING)  # accel_fp8_fix speaks once, from rank 0
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the checkpoint's save / load bars, once per rank
     accelerator = Accelerator()
     mesh = accelerator.torch_device_mesh
     accelerator.print(f"mesh {tuple(mesh.mesh_dim_names)} {tuple(mesh.shape)}, distributed type {accelerator.distributed_type}")
@@ -55,7 +78,7 @@ def main(steps):
     if not kernels.startswith("transformer_engine"):  # the CPU rehearsal's kernel shim
         accelerator.print(f"Transformer Engine {version('transformer-engine')}: its Python on CPU, kernels from {kernels} "
                           "(FP8 numerics, no GPU speed)")
-    model = shard_tensor_parallel(build_model(), mesh["tp"])
+    model = load_model(save_demo_checkpoint(accelerator), accelerator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
