@@ -515,7 +515,6 @@ def sc_partial_state_first(rank, world_size):
 def sc_mesh_2d(rank, world_size, dp_shard=2, tp=2, mixed_precision="no", steps=1, lr=0.1):
     """FSDP2 x TP: ParallelismConfig(dp_shard, tp) builds the 2-D mesh on cpu; tiny Llama TP-sharded on
     mesh["tp"]; prepare (A10 on stock with transformers 5.x); a training step when prepare succeeds."""
-    torch = _torch()
     ensure_rehearsal(True)
     acc = make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision=mixed_precision, wrap_cls=["LlamaDecoderLayer"])
     mesh = acc.torch_device_mesh
@@ -523,6 +522,13 @@ def sc_mesh_2d(rank, world_size, dp_shard=2, tp=2, mixed_precision="no", steps=1
     facts["flattened"] = sorted(n for n in ("dp", "dp_shard_cp", "dp_cp") if _has_mesh_dim(mesh, n))
     facts["coordinate"] = list(mesh.get_coordinate())
     model = shard_llama_tp(tiny_llama(), mesh["tp"])
+    return _prepare_and_train_llama(acc, model, facts, steps, lr, reference=mixed_precision == "no")
+
+
+def _prepare_and_train_llama(acc, model, facts, steps, lr, reference=True):
+    """prepare (its error in ``facts["prepare_error"]``), then train ``steps`` steps next to the one-process
+    reference of ``tiny_llama``."""
+    torch = _torch()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     try:
         model, opt = acc.prepare(model, opt)
@@ -533,7 +539,7 @@ def sc_mesh_2d(rank, world_size, dp_shard=2, tp=2, mixed_precision="no", steps=1
     facts.update(param_facts(model))
     facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
     facts["reference_losses"], facts["reference_grad_norms"] = (
-        _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else (None, None))
+        _reference_losses(tiny_llama, _lm, steps, lr) if reference else (None, None))
     return facts
 
 
@@ -569,22 +575,10 @@ ND_LOADED_MESHES = [["cpu", ["fsdp"], [2]], ["cpu", ["fsdp", "tp"], [2, 2]]]
 def sc_a18_nd_loaded(rank, world_size, dp_shard=2, tp=2, mixed_precision="no", steps=2, lr=0.1):
     """A18: the model loaded the supported way of transformers 5.x (TP ``tp`` x FSDP2 ``dp_shard`` applied at
     load), then accelerate's prepare with the same sizes (auto-wrap by layer class, as accelerate's N-D example)."""
-    torch = _torch()
     ensure_rehearsal(True)
     acc = make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision=mixed_precision, wrap_cls=["LlamaDecoderLayer"])
     model = load_sharded_by_transformers(tiny_llama(), tp_size=tp, fsdp_size=dp_shard)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    facts = {"loaded": param_facts(model)}
-    try:
-        model, opt = acc.prepare(model, opt)
-        facts["prepare_error"] = None
-    except Exception as exc:  # noqa: BLE001
-        facts["prepare_error"] = err(exc)
-        return facts
-    facts.update(param_facts(model))
-    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
-    facts["reference_losses"], facts["reference_grad_norms"] = _reference_losses(tiny_llama, _lm, steps, lr)
-    return facts
+    return _prepare_and_train_llama(acc, model, {"loaded": param_facts(model)}, steps, lr)
 
 
 def _has_mesh_dim(mesh, name):
