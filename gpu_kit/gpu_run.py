@@ -236,14 +236,15 @@ def ranks_runs(run: Run) -> None:
         run.stage("ranks", skipped=f"two ranks on this one GPU over gloo did not pass the probe (init {gloo.get('init')}, "
                                    f"failed collectives {failed or 'none reported'}); see ranks_probe and ranks.log")
         return
-    for name, world, parallelism in (
-            ("fsdp2", 2, "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"),
-            ("fsdp2_tp", 4, "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
-                            "  parallelism_config_tp_size: 2\n")):
+    fsdp2_tp = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
+    for name, world, parallelism, load in (
+            ("fsdp2", 2, "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n", "build"),
+            ("fsdp2_tp", 4, fsdp2_tp, "build"),
+            ("fsdp2_tp_loaded", 4, fsdp2_tp, "distributed_config")):  # transformers' N-D loading (A18)
         config = STATE / f"ranks_{name}.yaml"
         config.write_text(RANKS_CONFIG.format(world=world, parallelism=parallelism))
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                   "--main_process_port", "0", str(kit.ROOT / "gpu_kit" / "ranks_job.py"), RANKS_BACKEND, "3"]
+                   "--main_process_port", "0", str(kit.ROOT / "gpu_kit" / "ranks_job.py"), RANKS_BACKEND, "3", load]
         env = kit.site_env()
         env.pop("ACCEL_FP8_FIX", None)  # the config flag alone switches the package on
         code, output, seconds = run.sub(f"ranks {name} (world {world}, one GPU)", command, "ranks.log", cap=110, env=env)

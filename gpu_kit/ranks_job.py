@@ -5,7 +5,8 @@ rank's FP8 scaling state compared. The script never imports accel_fp8_fix: the c
 NCCL refuses two ranks on one device, so the process group is made here with the backend gpu_kit's probe
 found working (gloo: CUDA tensors through host memory), before accelerate makes its own; and every rank is
 told it is local rank 0 (accelerate would put rank r on cuda:r). Rank 0 prints ``RANKS_RESULT {json}``.
-Usage (gpu_kit.gpu_run does this): accelerate launch --config_file X gpu_kit/ranks_job.py <backend> <steps>
+Usage (gpu_kit.gpu_run does this): accelerate launch --config_file X gpu_kit/ranks_job.py <backend> <steps> [load]
+(load: "build", the model built and TP-sharded here; "distributed_config", loaded N-D by transformers).
 """
 
 import os
@@ -42,6 +43,26 @@ def shard_tensor_parallel(model, tp_mesh):
     return model
 
 
+def load_distributed(model, tp_size, fsdp_size):
+    """N-D loading the transformers 5.x way (A18): rank 0 saves, every rank loads with
+    ``DistributedConfig(tp_size, fsdp_size)`` — transformers applies TP and FSDP2 at load."""
+    import shutil
+    import tempfile
+
+    from transformers import DistributedConfig
+
+    path = [tempfile.mkdtemp(prefix="gpu_kit_nd_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    if dist.get_rank() == 0:
+        model.save_pretrained(path[0])
+    dist.barrier()
+    loaded = type(model).from_pretrained(path[0], distributed_config=DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+    return loaded.train()  # from_pretrained returns eval mode, where TE autocast is off
+
+
 def fp8_state(model) -> dict:
     state = {}
     for name, module in model.named_modules():
@@ -55,7 +76,7 @@ def fp8_state(model) -> dict:
     return state
 
 
-def main(backend: str, steps: int) -> None:
+def main(backend: str, steps: int, load: str = "build") -> None:
     torch.cuda.set_device(0)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=90))
     from accelerate import Accelerator
@@ -65,7 +86,10 @@ def main(backend: str, steps: int) -> None:
     mesh = accelerator.torch_device_mesh
     names = tuple(mesh.mesh_dim_names) if mesh is not None else ()
     model = build_model()
-    if "tp" in names and mesh["tp"].size() > 1:
+    if load == "distributed_config":
+        pc = accelerator.parallelism_config
+        model = load_distributed(model, tp_size=pc.tp_size, fsdp_size=pc.dp_shard_size)
+    elif "tp" in names and mesh["tp"].size() > 1:
         model = shard_tensor_parallel(model, mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -95,7 +119,7 @@ def main(backend: str, steps: int) -> None:
 
         report = accel_fp8_fix.report()
         result = {
-            "backend": backend, "world_size": world, "mesh": dict(zip(names, mesh.shape)) if mesh is not None else {},
+            "backend": backend, "load": load, "world_size": world, "mesh": dict(zip(names, mesh.shape)) if mesh is not None else {},
             "distributed_type": str(accelerator.distributed_type), "device": str(accelerator.device),
             "activated_by": report.mode, "patch_set": report.patch_set, "fixes_active": setup is not None,
             "te_modules": len(te_modules), "losses": losses, "losses_finite": all(map(math.isfinite, losses)),
@@ -109,4 +133,5 @@ def main(backend: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "cuda:gloo,cpu:gloo", int(sys.argv[2]) if len(sys.argv) > 2 else 3)
+    main(sys.argv[1] if len(sys.argv) > 1 else "cuda:gloo,cpu:gloo", int(sys.argv[2]) if len(sys.argv) > 2 else 3,
+         sys.argv[3] if len(sys.argv) > 3 else "build")

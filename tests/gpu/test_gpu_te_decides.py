@@ -1,7 +1,7 @@
 """What only real Transformer Engine on a GPU decides (one CUDA GPU, world size 1, in-process NCCL).
 
-* FP8 state through a checkpoint: ``save_state`` / ``load_state`` of an FSDP2 + FP8 model restores every FP8
-  scale and amax history without ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE``; stock TE refuses its own
+* FP8 state through a checkpoint: ``save_state`` (after an evaluation pass, A19) / ``load_state`` of an FSDP2 +
+  FP8 model restores every FP8 scale and amax history without ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE``; stock TE refuses its own
   delayed-scaling ``_extra_state`` while the package's safe loader reads it.
 * Activation checkpointing under FP8 (transformers' ``gradient_checkpointing_enable``): the recompute runs
   its GEMMs in FP8 too (one more FP8 GEMM per TE Linear per step, no high-precision TE GEMM), same losses.
@@ -97,6 +97,10 @@ def test_fp8_state_survives_save_state_and_load_state_without_unsafe_pickle(sing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     _train(acc, model, opt, 3)
+    model.eval()  # an evaluation pass before saving: TE runs it without FP8 and would then save no FP8 state (A19)
+    with torch.no_grad():
+        model(_batch(2)[0])
+    model.train()
     acc.save_state(str(tmp_path / "ckpt"))
     saved_fp8 = {k: v.detach().clone() for k, v in fp8_state_tensors(model).items()}
     saved_weights = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
