@@ -11,7 +11,6 @@ from types import MethodType
 import torch
 
 from .._log import warn_user
-
 from ..internals.accelerate_internals import unwrap_accelerate_autocast
 
 

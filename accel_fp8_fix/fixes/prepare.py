@@ -20,10 +20,10 @@ from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
 from ..internals.accelerate_internals import recipe_handler
 from .activation_checkpointing import route_checkpointing_through_te
+from .checkpoint import keep_fp8_state_in_checkpoints
 from .fp8_autocast import build_recipe, te_autocast, wrap_forward
 from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
-from .checkpoint import keep_fp8_state_in_checkpoints
 from .fp8_state_loading import install_safe_loading
 from .presharded import check_mesh_matches
 from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout

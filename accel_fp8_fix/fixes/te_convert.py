@@ -23,11 +23,12 @@ from ..distributed.collectives import is_dtensor
 from ..internals import torch_fsdp2, transformers_tp
 from .fp8_shapes import FP8_LAST_MULTIPLE, install_token_check, local_dims, local_dims_fit
 from .local_shards import install_local_shards
+from .presharded import FSDP_DIM_NAMES
 
 logger = logging.getLogger(__name__)
 
 TP_ATTR = "_accel_fp8_fix_tp"  # (parallel_mode, tp_mesh) recorded before FSDP2 wraps the parameters
-DATA_PARALLEL_DIMS = ("fsdp", "dp_replicate", "dp_shard", "dp_shard_cp", "dp_cp", "dp")  # transformers' and accelerate's
+DATA_PARALLEL_DIMS = (*FSDP_DIM_NAMES, "dp_replicate", "dp_cp", "dp")  # mesh dims that never carry TP
 OUTPUT_LAYER_ATTR = "_accel_fp8_fix_output_layer"  # the model's output embedding (lm_head): kept as transformers shards it
 
 
