@@ -92,7 +92,7 @@ def sc_demo_audit(rank, world_size):
     demo = _demo()
     acc = _demo_accelerator()
     mesh = acc.torch_device_mesh
-    model = demo.shard_tensor_parallel(demo.build_model(), mesh["tp"])
+    model = S.shard_llama_tp(demo.build_model(), mesh["tp"])  # TP by the test, then accelerate's FSDP2
     linears = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     expected_share = sum(v for n, v in linears.items() if n != "lm_head") / sum(linears.values())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -164,7 +164,7 @@ def sc_user_hook_errors(rank, world_size):
     demo = _demo()
     acc = _demo_accelerator()
     mesh = acc.torch_device_mesh
-    model = demo.shard_tensor_parallel(demo.build_model(), mesh["tp"])
+    model = S.shard_llama_tp(demo.build_model(), mesh["tp"])  # TP by the test, then accelerate's FSDP2
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     weight = model.get_submodule("model.layers.0.self_attn.q_proj").weight
