@@ -33,7 +33,7 @@ def build_model(seed=0):
 
 
 def shard_tensor_parallel(model, tp_mesh):
-    """transformers' own TP plan on the accelerator's "tp" mesh (as examples/demo.py does)."""
+    """transformers' own TP plan on the accelerator's "tp" mesh, then accelerate's FSDP2 in prepare."""
     from transformers.distributed.configuration_utils import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
