@@ -36,10 +36,10 @@ __all__ = ["add_note", "classify", "explain", "annotate", "explain_errors", "ins
 NOTED = "_accel_fp8_fix_noted"
 HAS_ADD_NOTE = hasattr(BaseException, "add_note")
 
-# kind -> the message fragments that identify it (torch 2.4 .. 2.13, TE 1.x .. 2.20)
+# kind -> the message fragments that identify it (torch 2.4 .. 2.14, TE 1.x .. 2.20)
 KINDS = {
     "mixed": ("got mixed torch.Tensor and DTensor", "Expected all inputs to be DTensor, but found a mixture"),
-    "collective": ("found no DeviceMesh from dtensor args for c10d.", "does not have a sharding strategy registered"),
+    "collective": ("found no DeviceMesh from dtensor args for c10d", "does not have a sharding strategy registered"),  # c10d.op.default / c10d::op (2.10)
     "fp8_shape": ("FP8 execution requires the",),
     "extra_state": ("Refusing to load pickled Transformer Engine extra state",),
 }

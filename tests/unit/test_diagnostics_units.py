@@ -44,6 +44,7 @@ def test_import_stays_free_of_torch_and_audit_loads_on_first_use():
     (MIXED, "mixed"),
     ("Expected all inputs to be DTensor, but found a mixture of DTensor and Tensor", "mixed"),
     ("found no DeviceMesh from dtensor args for c10d.broadcast_.default!", "collective"),
+    ("found no DeviceMesh from dtensor args for c10d::broadcast_", "collective"),  # torch 2.10's wording
     ("Operator c10d.broadcast_.default does not have a sharding strategy registered.", "collective"),
     ("FP8 execution requires the product of all dimensions except the last to be divisible by 8", "fp8_shape"),
     ("Refusing to load pickled Transformer Engine extra state for Linear. Delayed-scaling", "extra_state"),
