@@ -440,3 +440,155 @@ def test_block_scaling_on_blackwell_needs_power_of_two_scales(blackwell):
     assert result["stats"]["fp8_block_gemms"] == 3 and all(result[g] < 0.06 for g in ("y", "dx", "dw"))
     assert blackwell["fp32_scales_refused"].startswith("On Blackwell and newer, the FP8 block scaling recipe is "
                                                        "emulated with MXFP8")
+
+
+# -- issue 17 item 4: MXFP8 E8M0 endpoints, bit for bit from TE 2.20's ptx.cuh -----------------------------------
+def _kernel_exp2f_rcp_bits(e: int) -> int:
+    """``ptx::exp2f_rcp<float>`` (common/util/ptx.cuh since TE PR #2647, in release_v2.19 and 2.20): 255 is
+    NaN (0x7fffffff), 254 gives 2**-127 (0x00400000: not reachable by an exponent shift), else (254 - e) << 23."""
+    if e == 255:
+        return 0x7FFFFFFF
+    if e == 254:
+        return 0x00400000
+    return ((254 - e) << 23) & 0xFFFFFFFF
+
+
+def _kernel_exp2f_bits(e: int) -> int:
+    """``ptx::exp2f`` (the dequantization factor; PR #3262, release_v2.19 and 2.20): 255 is NaN (0x7fffffff),
+    0 gives 2**-127 (0x00400000), else e << 23."""
+    if e == 255:
+        return 0x7FFFFFFF
+    if e == 0:
+        return 0x00400000
+    return e << 23
+
+
+@pytest.mark.parametrize("inverse, kernel", [(True, _kernel_exp2f_rcp_bits), (False, _kernel_exp2f_bits)])
+def test_e8m0_factors_are_the_kernels_bits_at_every_code(inverse, kernel):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = tex.e8m0_to_scale(codes, inverse=inverse).view(torch.int32).tolist()
+    assert [g & 0xFFFFFFFF for g in got] == [kernel(e) for e in range(256)]
+    f = tex.e8m0_to_scale(torch.tensor([0, 1, 127, 253, 254, 255], dtype=torch.uint8), inverse=inverse).tolist()
+    if inverse:  # 2**127 at code 0 (TE 2.20 has no special case there; TE <= 2.12 returned 1), 2**-127 at 254
+        assert f[:5] == [2.0 ** 127, 2.0 ** 126, 1.0, 2.0 ** -126, 2.0 ** -127] and math.isnan(f[5])
+    else:
+        assert f[:5] == [2.0 ** -127, 2.0 ** -126, 1.0, 2.0 ** 126, 2.0 ** 127] and math.isnan(f[5])
+
+
+def test_mxfp8_endpoint_blocks_quantize_as_the_kernel():
+    x = torch.zeros(1, 96)
+    x[0, 0], x[0, 1] = float("inf"), 3.0  # block 0: amax inf -> e8m0 254 -> multiplier 2**-127: inf*2**-127 = inf,
+    x[0, 32] = 1e-39  # satfinite 448; 3*2**-127 underflows to 0. Block 1: tiny amax -> e8m0 0 -> multiplier 2**127
+    x[0, 64] = float("nan")  # block 2: NaN ignored by the amax (0) -> e8m0 0; NaN stays NaN
+    bits, e = tex.mxfp8_quantize_2d(x, E4M3, columnwise=False)
+    assert e.tolist() == [[254, 0, 0]]
+    values = tex.fp8_bits_to_float(bits, E4M3)[0]
+    assert values[0].item() == 448.0 and values[1].item() == 0.0
+    assert values[32].item() == _reference_fp8_e4m3(1e-39 * 2.0 ** 127)
+    assert math.isnan(values[64].item())
+
+
+def _reference_fp8_e4m3(v: float) -> float:
+    return float(tex.fp8_bits_to_float(tex.cast_to_fp8(torch.tensor([v]), torch.ones(1), E4M3), E4M3)[0])
+
+
+# -- issue 17 item 4: Hopper FP8 fast accumulation (ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM=1) -------------------------
+def _model_dot(xs, ys, bits=13, chunk=32) -> float:
+    """The documented model on Python floats: per 32 products (one wgmma), running sum + exact chunk sum, then cut
+    to 1 + 13 significant bits toward zero; never promoted."""
+    acc = 0.0
+    for k0 in range(0, len(xs), chunk):
+        acc += math.fsum(x * y for x, y in zip(xs[k0:k0 + chunk], ys[k0:k0 + chunk]))
+        if acc != 0.0:
+            m, e = math.frexp(acc)
+            acc = math.ldexp(math.trunc(m * 2 ** (bits + 1)), e - bits - 1)
+    return acc
+
+
+def _fp8_operand(values: torch.Tensor, scale_inv: float):
+    """A per-tensor FP8 (E4M3) operand as the shim reads it: row-wise data, one scale_inv."""
+    from types import SimpleNamespace
+
+    bits = tex.cast_to_fp8(values, torch.ones(1), E4M3)
+    return SimpleNamespace(_data=bits, _transpose=None, _transpose_invalid=True,
+                                 _scale_inv=torch.tensor([scale_inv]), _fp8_dtype=E4M3)
+
+
+def _tn_gemm(a, b, split: bool):
+    """TE's fprop layout: D [M, N] = B [M, K] @ A [N, K]^T (transa=True, transb=False)."""
+    out, *_ = tex.generic_gemm(a, True, b, False, None, None, None, None, tex.DType.kFloat32, False, None, False,
+                               torch.empty(0), 0, False, split)
+    return out
+
+
+def test_fast_accumulation_follows_the_model_and_split_accumulation_is_exact(monkeypatch):
+    monkeypatch.delenv("ACCEL_FP8_FIX_CPU_TE_ARCH", raising=False)
+    monkeypatch.delenv("ACCEL_FP8_FIX_REHEARSAL_TARGET", raising=False)
+    # swamping: 128*128 = 2**14 first, then a product of 1 per wgmma: the e8m13 accumulator (ulp 2 at 2**14)
+    # drops every one of them; split accumulation keeps them
+    xs = torch.zeros(1, 128)
+    ws = torch.zeros(1, 128)
+    xs[0, 0] = ws[0, 0] = 128.0
+    for k in (40, 72, 104):
+        xs[0, k] = ws[0, k] = 1.0
+    a, b = _fp8_operand(ws, 0.5), _fp8_operand(xs, 0.25)
+    monkeypatch.setenv(tex.ENV_FAST_ACCUM, "1")
+    tex.reset_stats()
+    assert _tn_gemm(a, b, split=False).item() == 16384.0 * 0.125
+    assert tex.stats()["fast_accum_gemms"] == 1
+    assert _tn_gemm(a, b, split=True).item() == 16387.0 * 0.125
+    monkeypatch.setenv(tex.ENV_FAST_ACCUM, "0")
+    assert _tn_gemm(a, b, split=False).item() == 16387.0 * 0.125  # default: exact fp32, the flag ignored
+    assert tex.stats()["fast_accum_gemms"] == 1
+
+    # random FP8 operands: bit for bit the model (Python floats), and off the exact product by at most the
+    # accumulator's truncation: K/32 cuts of < 2**-13 relative each
+    torch.manual_seed(0)
+    m, n, k = 6, 5, 1024
+    x = tex.fp8_bits_to_float(tex.cast_to_fp8(torch.randn(m, k) * 20, torch.ones(1), E4M3), E4M3)
+    w = tex.fp8_bits_to_float(tex.cast_to_fp8(torch.rand(n, k) * 10, torch.ones(1), E4M3), E4M3)
+    a, b = _fp8_operand(w, 1.0), _fp8_operand(x, 1.0)
+    monkeypatch.setenv(tex.ENV_FAST_ACCUM, "1")
+    fast, split = _tn_gemm(a, b, split=False), _tn_gemm(a, b, split=True)
+    exact = (x.double() @ w.double().t())
+    model = torch.tensor([[_model_dot(x[i].tolist(), w[j].tolist()) for j in range(n)] for i in range(m)])
+    assert torch.equal(fast, model.float())
+    assert torch.allclose(split.double(), exact, rtol=1e-6, atol=1e-3)  # fp32 reference GEMM
+    assert not torch.equal(fast, split)
+    bound = (k // 32) * 2.0 ** -13 * (x.double().abs() @ w.double().abs().t())
+    assert bool(((fast.double() - exact).abs() <= bound).all())
+    # modelled on Hopper only: a Blackwell profile answers exact; a wrong value is refused by name
+    monkeypatch.setenv("ACCEL_FP8_FIX_REHEARSAL_TARGET", "b200-cu130")
+    assert torch.equal(_tn_gemm(a, b, split=False), split)
+    monkeypatch.setenv(tex.ENV_FAST_ACCUM, "yes")
+    with pytest.raises(ValueError, match="ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM='yes'"):
+        _tn_gemm(a, b, split=False)
+
+
+def _fast_accum_linear(rank, world_size):
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    te_on_cpu.install()
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+
+    out = {}
+    for name, recipe in (("delayed", DelayedScaling()), ("current", Float8CurrentScaling())):
+        torch.manual_seed(0)
+        layer = te.Linear(256, 64)
+        x = torch.randn(32, 256, requires_grad=True)
+        te_on_cpu.reset_stats()
+        with te.autocast(enabled=True, recipe=recipe):
+            y = layer(x)
+        y.float().sum().backward()
+        s = te_on_cpu.stats()
+        out[name] = {"fast": s.get("fast_accum_gemms", 0), "fwd": s["fp8_gemms_fwd"], "bwd": s["fp8_gemms_bwd"]}
+    return out
+
+
+def test_te_asks_for_fast_accumulation_in_fprop_only():
+    (result,) = run_distributed(_fast_accum_linear, 1, env={"ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM": "1",
+                                                            "ACCEL_FP8_FIX_CPU_TE_ARCH": "sm90"}, timeout=180)
+    # TE's _2X_ACC_FPROP (False) for delayed scaling, Float8CurrentScaling.fp8_gemm_fprop for current scaling;
+    # dgrad and wgrad keep split accumulation (_2X_ACC_DGRAD / _2X_ACC_WGRAD, the recipe's MMParams)
+    assert result == {"delayed": {"fast": 1, "fwd": 1, "bwd": 2}, "current": {"fast": 1, "fwd": 1, "bwd": 2}}

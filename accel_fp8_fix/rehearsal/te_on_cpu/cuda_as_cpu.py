@@ -4,14 +4,22 @@ TE's Python asks for ``device="cuda"``, checks ``tensor.is_cuda`` and queries ``
 device, its capability, streams and events. On a CPU-only torch this layer answers those questions
 *for TE's frames only*:
 
-- ``torch.cuda.*`` queries return a Hopper-like answer (sm90, or ``ACCEL_FP8_FIX_CPU_TE_ARCH``) when the
-  caller is a ``transformer_engine`` module, and the stock answer for everyone else — so accelerate,
-  torch and user code still see "no CUDA" and keep choosing CPU / gloo;
-- ``torch.version.cuda`` reads ``CUDA_VERSION`` (13.0, matching the cuBLASLt version ``tex`` reports) for TE's
-  frames — TE's FP8 block-scaling check needs CUDA >= 12.9 — and ``None`` (a CPU build) for everyone else;
-- a ``TorchFunctionMode`` maps ``device="cuda"`` / ``cuda:N`` / an int device to ``cpu`` in factory
-  functions, ``Tensor.to`` and ``Tensor.cuda`` (nobody else asks for CUDA on a CPU machine), and makes
-  ``tensor.is_cuda`` answer True to TE's frames.
+- ``torch.cuda.*`` queries answer as the target GPU machine (``target.py``: ``ACCEL_FP8_FIX_REHEARSAL_TARGET``,
+  default the project's H200 — capability, device properties) when the caller is a ``transformer_engine``
+  module, and the stock answer for everyone else — so accelerate, torch and user code still see "no CUDA" and
+  keep choosing CPU / gloo;
+- ``torch.version.cuda`` reads the target's CUDA version (13.0 for the H200 image; TE's FP8 block-scaling check
+  needs >= 12.9) for TE's frames, and ``None`` (a CPU build) for everyone else;
+- ``torch.cuda.Stream`` / ``Event`` / ``stream`` / ``default_generators`` are properties of ``torch.cuda``'s
+  (swapped) class: synchronous stand-ins and the CPU generator for TE's frames, the stock objects for everyone
+  else; TE's ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` act on the CPU generator (the
+  rehearsal's "CUDA generator");
+- a ``TorchFunctionMode`` (entered globally) maps ``device="cuda"`` / ``cuda:N`` / an int device to ``cpu`` in
+  factory functions and ``Tensor.to``, makes ``Tensor.cuda`` a move to the CPU, and answers ``tensor.is_cuda``
+  as a GPU would in this world (True on the CPU, False on meta) — when the torch call comes from TE or the
+  kernel shim (the first frame up the stack that is not torch's own Python). Every other call passes through:
+  accelerate, this package and user scripts meet an honest CPU-only torch, so a planted ``.cuda()`` fails as it
+  would on a CPU machine.
 
 Nothing here runs a kernel; ``te_on_cpu.tex`` supplies the kernels.
 """
@@ -19,7 +27,6 @@ Nothing here runs a kernel; ``te_on_cpu.tex`` supplies the kernels.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import types
@@ -28,18 +35,30 @@ import torch
 import torch.autograd.graph
 from torch.overrides import TorchFunctionMode
 
-ENV_ARCH = "ACCEL_FP8_FIX_CPU_TE_ARCH"  # "sm90" (Hopper, default) or "sm100" (Blackwell: MXFP8, non-TN GEMMs)
-_ARCHES = {"sm89": (8, 9), "sm90": (9, 0), "sm100": (10, 0)}
+from . import target as _target  # the GPU machine answered as: ACCEL_FP8_FIX_REHEARSAL_TARGET (+ _CPU_TE_ARCH)
+
+ENV_ARCH = _target.ENV_ARCH  # overrides only the capability of the target profile (target.py)
+_ARCHES = _target.ARCHES
 
 _state: dict = {"installed": False, "mode": None, "saved": {}}
-CUDA_VERSION = "13.0"  # what TE's frames read as torch.version.cuda (tex.get_cublasLt_version() is 130000)
 
 
 def capability() -> tuple[int, int]:
-    arch = os.environ.get(ENV_ARCH, "sm90").strip().lower() or "sm90"
-    if arch not in _ARCHES:
-        raise ValueError(f"{ENV_ARCH}={arch!r}: expected one of {sorted(_ARCHES)}")
-    return _ARCHES[arch]
+    return _target.capability()
+
+
+def __getattr__(name: str):
+    if name == "CUDA_VERSION":  # what TE's frames read as torch.version.cuda: the target profile's
+        return _target.cuda_version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_SHIM = __name__.rsplit(".", 1)[0] + ".tex"  # the kernel shim, installed as sys.modules["transformer_engine_torch"]
+
+
+def _is_te_module(name: str) -> bool:
+    """Transformer Engine's Python or the kernel shim that stands in for its CUDA extension."""
+    return (name.startswith("transformer_engine") and not name.startswith("transformer_engine_torch")) or name == _SHIM
 
 
 def _from_te(depth: int = 2) -> bool:
@@ -48,8 +67,34 @@ def _from_te(depth: int = 2) -> bool:
         frame = sys._getframe(depth)
     except ValueError:  # pragma: no cover - shallow stack
         return False
-    name = frame.f_globals.get("__name__", "") or ""
-    return name.startswith("transformer_engine") and not name.startswith("transformer_engine_torch")
+    return _is_te_module(frame.f_globals.get("__name__", "") or "")
+
+
+# module name -> True (TE / the shim), False (anyone else), None (plumbing: torch's own Python, contextlib,
+# functools, this module: the question is asked on behalf of the code further up). Bounded by the module count.
+_CALLER_KIND: dict = {}
+
+
+def _caller_kind(name: str):
+    kind = _CALLER_KIND.get(name, ...)
+    if kind is ...:
+        if name == "torch" or name.startswith("torch.") or name in ("contextlib", "functools", __name__):
+            kind = None
+        else:
+            kind = _is_te_module(name)
+        _CALLER_KIND[name] = kind
+    return kind
+
+
+def _caller_is_te(frame) -> bool:
+    """Is the code that made this torch call Transformer Engine? The first frame up from ``frame`` that is not
+    torch's own Python (``torch.nn.functional``, ``torch.distributed``, ``nn.Module._apply`` ...) decides."""
+    while frame is not None:
+        kind = _caller_kind(frame.f_globals.get("__name__") or "")
+        if kind is not None:
+            return kind
+        frame = frame.f_back
+    return False
 
 
 def _is_cuda_device(device) -> bool:
@@ -126,25 +171,34 @@ class _Event:
 _DEFAULT_STREAM = _Stream()
 
 
-def _te_answers() -> dict:
-    major, minor = capability()
-    props = _Props(
-        name=f"CPU (Transformer Engine rehearsal, sm{major}{minor})",
+def _seed_cpu_generator(seed) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _props(device=None) -> _Props:
+    """``get_device_properties`` of the target profile (read per query, as every profile answer is)."""
+    p = _target.profile()
+    major, minor = p.capability
+    return _Props(
+        name=f"{p.gpu} (CPU rehearsal, sm{major}{minor})",
         major=major,
         minor=minor,
-        multi_processor_count=132,
-        total_memory=80 * 2**30,
-        L2_cache_size=50 * 2**20,
+        multi_processor_count=p.sm_count,
+        total_memory=p.total_memory,
+        L2_cache_size=p.l2_cache,
     )
+
+
+def _te_answers() -> dict:
     return {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "set_device": lambda _d: None,
-        "get_device_capability": lambda device=None: (major, minor),
-        "get_device_properties": lambda device=None: props,
-        "get_device_name": lambda device=None: props.name,
+        "get_device_capability": lambda device=None: _target.capability(),
+        "get_device_properties": _props,
+        "get_device_name": lambda device=None: _props().name,
         "synchronize": lambda device=None: None,
         "current_stream": lambda device=None: _DEFAULT_STREAM,
         "default_stream": lambda device=None: _DEFAULT_STREAM,
@@ -152,8 +206,11 @@ def _te_answers() -> dict:
         "empty_cache": lambda: None,
         "is_bf16_supported": lambda including_emulation=True: True,
         "get_rng_state": lambda device="cuda": torch.get_rng_state(),
-        "set_rng_state": lambda state, device="cuda": None,
-        "manual_seed": lambda seed: None,
+        # the rehearsal's "CUDA generator" is the CPU generator (default_generators below): TE's saves and
+        # restores of the CUDA RNG state act on it, as they would on the GPU's
+        "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+        "manual_seed": _seed_cpu_generator,
+        "manual_seed_all": _seed_cpu_generator,
         "memory_allocated": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
         "_lazy_init": lambda: None,
@@ -202,7 +259,7 @@ class _VersionModule(types.ModuleType):
 
     @property
     def cuda(self):
-        return CUDA_VERSION if _from_te() else vars(self).get("cuda")
+        return _target.cuda_version() if _from_te() else vars(self).get("cuda")
 
 
 @contextlib.contextmanager
@@ -210,27 +267,91 @@ def _stream_ctx(stream=None):
     yield stream
 
 
+def _per_caller(name: str, te_value) -> property:
+    """A ``torch.cuda`` attribute answered per caller: ``te_value`` to TE's frames (and the shim's), the module's
+    own entry (the stock one) to everyone else. Setting / deleting it acts on the module's own entry."""
+
+    def fget(module):
+        if _from_te():
+            return te_value
+        try:
+            return vars(module)[name]
+        except KeyError:
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}") from None
+
+    def fset(module, value):
+        vars(module)[name] = value
+
+    def fdel(module):
+        del vars(module)[name]
+
+    return property(fget, fset, fdel, doc=f"torch.cuda.{name}, answered per caller (cuda_as_cpu)")
+
+
+# torch.cuda's classes and values (not functions, so not wrapped like the queries): stream and event stand-ins
+# (everything runs synchronously on the CPU), and the "CUDA" generator, which is the CPU one (the CUDA ops of
+# TE's frames run on the CPU; dropout draws from it).
+_CUDA_ATTRS = {"Stream": _Stream, "Event": _Event, "stream": _stream_ctx,
+               "default_generators": (torch.default_generator,)}
+
+
+def _cuda_module_class(base: type) -> type:
+    """A subclass of ``torch.cuda``'s module class whose properties answer ``_CUDA_ATTRS`` per caller (a data
+    descriptor on the class wins over the module's own entry, as for ``torch.version.cuda``)."""
+    namespace = {name: _per_caller(name, value) for name, value in _CUDA_ATTRS.items()}
+    namespace["__doc__"] = base.__doc__
+    return type("_CudaAsCpuModule", (base,), namespace)
+
+
 _IS_CUDA = torch.Tensor.is_cuda  # the descriptor; its __get__ is what the mode sees
 _TENSOR_TO = torch.Tensor.to
 _TENSOR_CUDA = torch.Tensor.cuda
+_EMPTY_LIKE = torch.empty_like
+# nn.Module's device moves: they reach each tensor through ``_apply``, which TE's modules override (to re-attach
+# state), so TE's frames sit between the caller of ``model.cuda()`` and the tensor's ``.cuda()``.
+_MODULE_MOVES = frozenset(f.__code__ for f in (torch.nn.Module.cuda, torch.nn.Module.to, torch.nn.Module.to_empty))
+
+
+def _move_is_te(frame) -> bool:
+    """``.cuda()`` / ``.to(cuda)`` / ``empty_like(device=cuda)``: as ``_caller_is_te``, except that inside a
+    module move (``nn.Module.cuda`` / ``.to`` / ``.to_empty``) whoever called the move decides — a user's
+    ``te_model.cuda()`` is the user's request even though TE's ``_apply`` makes the tensor calls."""
+    if not _caller_is_te(frame):
+        return False
+    while frame is not None:
+        if frame.f_code in _MODULE_MOVES:
+            return _caller_is_te(frame.f_back)
+        frame = frame.f_back
+    return True
 
 
 class CudaAsCpuMode(TorchFunctionMode):
-    """Maps CUDA devices to CPU in torch calls; ``is_cuda`` is True for TE's frames."""
+    """For TE's frames (and the kernel shim's) only: CUDA devices map to the CPU in torch calls, ``.cuda()`` is
+    ``.to("cpu")``, ``is_cuda`` is True for tensors on the CPU (the rehearsal's "GPU"), False elsewhere (meta).
+    Every other caller's call passes through untouched: a CPU-only torch answers it (and refuses CUDA).
+
+    The mode sees every torch call made while it is active; the frame walk runs only for a call that asks
+    about CUDA (``is_cuda``, ``.cuda()``, a CUDA ``device``), so the common case is a few identity checks."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__self__", None) is _IS_CUDA:
-            if _from_te(2):
-                return True
-            return func(*args, **kwargs)
+        if kwargs is None:
+            kwargs = {}
         if func is _TENSOR_CUDA:
-            return args[0]
-        device = kwargs.get("device")
-        if device is not None and _is_cuda_device(device):
-            kwargs = dict(kwargs, device=_CPU)
-        if func is _TENSOR_TO and len(args) > 1 and (_is_cuda_device(args[1])):
-            args = (args[0], _CPU, *args[2:])
+            if _move_is_te(sys._getframe(1)):
+                tensor = args[0]
+                return tensor if tensor.device.type == "cpu" else tensor.to(_CPU)
+        elif getattr(func, "__self__", None) is _IS_CUDA:
+            if _caller_is_te(sys._getframe(1)):
+                return args[0].device.type == "cpu"
+        else:
+            device = kwargs.get("device")
+            if device is not None:
+                if _is_cuda_device(device) and (
+                        _move_is_te(sys._getframe(1)) if func is _TENSOR_TO or func is _EMPTY_LIKE
+                        else _caller_is_te(sys._getframe(1))):
+                    kwargs = dict(kwargs, device=_CPU)
+            elif func is _TENSOR_TO and len(args) > 1 and _is_cuda_device(args[1]) and _move_is_te(sys._getframe(1)):
+                args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
 
 
@@ -275,12 +396,10 @@ def install() -> None:
         original, scoped = _scoped(name, answer)
         saved[name] = original
         setattr(torch.cuda, name, scoped)
-    # Stream / Event classes and the stream context: TE only ever uses them to order work. The "CUDA"
-    # generator is the CPU one: the CUDA ops of TE's frames run on the CPU (dropout draws from it).
-    for name, value in (("Stream", _Stream), ("Event", _Event), ("stream", _stream_ctx),
-                        ("default_generators", (torch.default_generator,))):
-        saved[name] = getattr(torch.cuda, name, None)
-        setattr(torch.cuda, name, value)
+    # Stream / Event classes and the stream context (TE only ever uses them to order work), the "CUDA"
+    # generator: per caller, through torch.cuda's class.
+    _state["cuda_class"] = type(torch.cuda)
+    torch.cuda.__class__ = _cuda_module_class(type(torch.cuda))
     # NVTX ranges (older TE opens one per forward): no profiler here, so no-ops for TE's frames.
     import torch.cuda.nvtx as nvtx
 
@@ -324,6 +443,7 @@ def uninstall() -> None:
         else:
             setattr(torch.cuda, name, original)
     _state["mode"].__exit__(None, None, None)
+    torch.cuda.__class__ = _state.pop("cuda_class")
     if type(torch.version) is _VersionModule:
         torch.version.__class__ = types.ModuleType
     torch.autograd.graph._engine_run_backward = _state["engine"]

@@ -20,8 +20,14 @@ TE 2.20 — ``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``,
 - ``fused_amax_and_scale_update_after_reduction`` = ``delayed_scaling.cu``'s ``kernel_bulk``;
 - norms in fp32 with fused quantization of the output.
 
-Ops this stand-in does not implement raise ``NotImplementedError`` naming the op when called —
-never a silent dummy. Enums mirror TE's C++ headers value for value.
+Ops this stand-in does not implement raise ``NotImplementedError`` naming the op when called; a name the
+real TE 2.20 extension does not have raises ``AttributeError`` (``REAL_EXTENSION_NAMES``). The answers that
+are not kernels (versions from ``target.py``, swizzle no-ops, ``get_fused_attn_backend``, ignored
+arguments) are listed by name in docs/rehearsal.md, "GPU-shaped answers". Enums mirror TE's C++ headers
+value for value.
+
+``ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM=1`` models Hopper's FP8 fast accumulation in the GEMMs TE runs with
+``use_split_accumulator=False`` (``fast_accum_matmul``); by default every GEMM accumulates exactly in fp32.
 
 Counters (``stats()``) count what ran: FP8 and high-precision GEMMs, casts, scale updates.
 """
@@ -30,12 +36,14 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import sys
+import types
 from collections import Counter
 
 import torch
 
-from . import cuda_as_cpu
+from . import cuda_as_cpu, target
 
 # --------------------------------------------------------------------------------------------------
 # Enums (values from common/include/transformer_engine/*.h and pytorch/csrc/common.h)
@@ -443,14 +451,22 @@ def float_to_e8m0(value: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_to_scale(e8m0: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """2**(e - 127) (the dequantization factor) or, ``inverse``, ``ptx::exp2f_rcp`` = 2**(127 - e)."""
+    """An E8M0 byte as an fp32 factor, bit for bit as TE 2.20's ``common/util/ptx.cuh`` builds it
+    (``exp2f_rcp`` fixed in TE PR #2647, ``exp2f`` in #3262; both in release_v2.19 and later):
+
+    - ``inverse`` = ``ptx::exp2f_rcp<float>`` (the quantizing multiplier 2**(127 - e)): 255 -> NaN with the
+      bits 0x7fffffff, 254 -> 0x00400000 (2**-127, a subnormal), else ``(254 - e) << 23`` (so e = 0 gives
+      2**127: no special case for 0 in 2.20; older TE returned 1 there);
+    - otherwise ``ptx::exp2f`` (the dequantization factor 2**(e - 127), as TE's dequantize kernel and the
+      OCP MX rule cuBLAS follows): 255 -> NaN 0x7fffffff, 0 -> 0x00400000 (2**-127), else ``e << 23``.
+    """
     e = e8m0.to(torch.int32)
     if inverse:
         bits = torch.where(e == 254, torch.full_like(e, 0x00400000), (254 - e).clamp(min=0) << 23)
     else:
         bits = torch.where(e == 0, torch.full_like(e, 0x00400000), e << 23)
-    out = bits.view(torch.float32)
-    return torch.where(e == 255, torch.full_like(out, float("nan")), out)
+    bits = torch.where(e == 255, torch.full_like(e, 0x7FFFFFFF), bits)
+    return bits.view(torch.float32)
 
 
 def _roundup(x: int, m: int) -> int:
@@ -535,8 +551,8 @@ def _mxfp8_classes():
 
 
 def _quantize_mxfp8(x: torch.Tensor, quantizer, output=None):
-    """Scales are kept compact (``with_gemm_swizzled_scales=False``): only this shim reads them, and its
-    ``swizzle_scales_for_gemm_`` is a no-op."""
+    """Scales are kept compact (``with_gemm_swizzled_scales=False``, whatever ``optimize_for_gemm`` says): only
+    this shim reads them, and its ``swizzle_scales_for_gemm_`` refuses to swizzle them."""
     m, k = _mxfp8_2d(tuple(x.shape))
     x2 = x.reshape(m, k)
     parts = {}
@@ -1226,6 +1242,60 @@ def _dgelu(x):
     return g
 
 
+# Hopper's FP8 fast accumulation (cuBLASLt CUBLASLT_MATMUL_DESC_FAST_ACCUM, which TE sets for an FP8 GEMM when
+# use_split_accumulator is False: cublaslt_gemm.cu ``fastAccuMode = use_split_accumulator ? 0 : use_fp8``), as a
+# model: opt-in with ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM=1 (docs/rehearsal.md, "GPU-shaped answers").
+ENV_FAST_ACCUM = "ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM"
+FAST_ACCUM_MANTISSA_BITS = 13  # e8m13: "around 14 bits" (DeepSeek-V3 §3.3.2), FP22 accumulator reports on H100
+FAST_ACCUM_K_CHUNK = 32  # K of one Hopper FP8 wgmma instruction (m64nNk32)
+
+
+def fast_accum_enabled() -> bool:
+    value = os.environ.get(ENV_FAST_ACCUM, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{ENV_FAST_ACCUM}={value!r}: expected one of ['0', '1']")
+
+
+def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` (float64) with its significand cut to 1 + ``bits`` bits, toward zero; 0, inf and NaN kept."""
+    m, e = torch.frexp(x)  # x = m * 2**e, 0.5 <= |m| < 1
+    kept = torch.ldexp(torch.trunc(torch.ldexp(m, torch.tensor(bits + 1))), e - (bits + 1))
+    return torch.where(torch.isfinite(x), kept, x)
+
+
+def fast_accum_matmul(x: torch.Tensor, y: torch.Tensor, bits: int = FAST_ACCUM_MANTISSA_BITS,
+                      chunk: int = FAST_ACCUM_K_CHUNK) -> torch.Tensor:
+    """x [M, K] @ y [K, N] of FP8 values (unscaled) with one reduced-precision accumulator along K: per
+    ``chunk`` of K (one wgmma) the products and the running sum are added exactly, then the sum is truncated to
+    1 + ``bits`` significant bits. Never promoted to fp32 (that is what split accumulation adds). fp32 result."""
+    x64, y64 = x.double(), y.double()
+    acc = torch.zeros(x.shape[0], y.shape[1], dtype=torch.float64)
+    for k0 in range(0, x.shape[1], chunk):
+        acc = truncate_mantissa(acc + x64[:, k0:k0 + chunk] @ y64[k0:k0 + chunk], bits)
+    return acc.float()
+
+
+def _fast_accum_operand(t, trans_needs_rowwise: bool, who: str):
+    """(unscaled FP8 values as a 2-D fp32 matrix, scale_inv) of a per-tensor-scaled FP8 operand."""
+    rowwise = trans_needs_rowwise and t._data is not None
+    bits = _logical_bits(t, rowwise, who)
+    values = fp8_bits_to_float(bits, t._fp8_dtype)
+    return values.reshape(-1, values.shape[-1]) if values.dim() else values.reshape(1, 1), t._scale_inv.float()
+
+
+def _uses_fast_accum(A, B, use_split_accumulator) -> bool:
+    """Modelled where it happens: FP8 x FP8 with per-tensor scales (delayed / current scaling) on Hopper, the
+    GEMM TE runs with use_split_accumulator=False (fprop: ``_2X_ACC_FPROP``,
+    ``Float8CurrentScaling.fp8_gemm_fprop``)."""
+    if use_split_accumulator or not fast_accum_enabled():
+        return False
+    plain = [_is_float8(t) and not (_is_mxfp8(t) or _is_block_fp8(t) or _is_nvfp4(t)) for t in (A, B)]
+    return all(plain) and cuda_as_cpu.capability()[0] == 9
+
+
 def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_type, gelu, gelu_in,
                  grad, workspace, workspace_size, accumulate, use_split_accumulator,
                  comm_overlap=None, comm_type=None, extra_output=None, bulk_overlap=False,
@@ -1248,7 +1318,14 @@ def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_ty
     op_b = b.t() if transB else b
     if op_b.shape[1] != op_a.shape[0]:
         raise RuntimeError(f"generic_gemm: shapes {tuple(op_b.shape)} x {tuple(op_a.shape)} do not match")
-    out = op_b @ op_a
+    if _uses_fast_accum(A, B, use_split_accumulator):
+        raw_a, scale_a = _fast_accum_operand(A, transA, "generic_gemm operand A")
+        raw_b, scale_b = _fast_accum_operand(B, not transB, "generic_gemm operand B")
+        out = fast_accum_matmul(raw_b.t() if transB else raw_b, raw_a.t() if transA else raw_a)
+        out = out * (scale_a * scale_b).reshape(())  # cuBLAS' epilogue: scale_inv_A * scale_inv_B in fp32
+        _STATS["fast_accum_gemms"] += 1
+    else:
+        out = op_b @ op_a
     if alpha != 1.0:
         out = out * alpha
     n = out.shape[1]
@@ -1469,55 +1546,183 @@ def multi_tensor_compute_scale_and_scale_inv(chunk_size, noop_flag, tensor_lists
         scale_inv.fill_(1.0 / s)
 
 
-def swizzle_scales_for_gemm_(*args, **kwargs):
-    """Per-tensor FP8 scales need no swizzle."""
-    return None
+def _swizzle_needed(tensor) -> bool:
+    """swizzle.cpp: only MXFP8 / NVFP4 (1-D block scales) have a GEMM-swizzled layout; other tensors (per-tensor
+    FP8, FP8 block scaling) and scales already swizzled return early, as in TE."""
+    return (_is_mxfp8(tensor) or _is_nvfp4(tensor)) and not getattr(tensor, "_with_gemm_swizzled_scales", False)
 
 
-def multi_tensor_swizzle_scales_for_gemm_(*args, **kwargs):
-    return None
+def _refuse_swizzle(op: str, tensor) -> None:
+    raise NotImplementedError(
+        f"transformer_engine_torch.{op} of a {type(tensor).__name__} with compact scales: the CPU rehearsal keeps "
+        "MXFP8 / NVFP4 scales compact (its GEMM reads them so) and does not write cuBLAS' swizzled layout")
+
+
+def swizzle_scales_for_gemm_(tensor):
+    """``inplace_swizzle_scale_for_gemm``: an exact no-op where TE's is one (per-tensor FP8, FP8 block scaling,
+    scales already swizzled); MXFP8 / NVFP4 compact scales raise ``NotImplementedError``."""
+    if _swizzle_needed(tensor):
+        _refuse_swizzle("swizzle_scales_for_gemm_", tensor)
+
+
+def _multi_swizzle(op: str, tensors, rowwise_usage: bool, columnwise_usage: bool) -> None:
+    if rowwise_usage == columnwise_usage:
+        raise RuntimeError("Expect exactly one of rowwise_usage and columnwise_usage.")
+    tensors = list(tensors)
+    if not tensors or not (_is_mxfp8(tensors[0]) or _is_nvfp4(tensors[0])):  # TE decides by the first one
+        return
+    for t in tensors:
+        scales = getattr(t, "_rowwise_scale_inv" if rowwise_usage else "_columnwise_scale_inv", None)
+        if _swizzle_needed(t) and scales is not None and scales.numel():
+            _refuse_swizzle(op, t)
+
+
+def multi_tensor_swizzle_scales_for_gemm_(tensors, rowwise_usage, columnwise_usage):
+    _multi_swizzle("multi_tensor_swizzle_scales_for_gemm_", tensors, rowwise_usage, columnwise_usage)
+
+
+def multi_tensor_swizzle_scales_for_gemm_unchecked_(tensors, rowwise_usage, columnwise_usage):
+    _multi_swizzle("multi_tensor_swizzle_scales_for_gemm_unchecked_", tensors, rowwise_usage, columnwise_usage)
 
 
 # --------------------------------------------------------------------------------------------------
-# Library queries
+# Library queries: the target machine's (target.py, ACCEL_FP8_FIX_REHEARSAL_TARGET)
 
 
 def get_cublasLt_version():
-    return 130000
+    """``cublasLtGetVersion()`` of the target profile's cuBLAS (h200-cu130: 13.1.0.3 -> 130100)."""
+    return target.profile().cublaslt
 
 
 def get_cudnn_version():
-    return 91000
+    """``cudnnGetVersion()`` of the target profile's cuDNN (h200-cu130: 9.19.0.56 -> 91900)."""
+    return target.profile().cudnn
 
 
 def get_num_cublas_streams():
-    return 4
+    return 4  # TE's compile-time number of compute streams (``num_streams``), not a hardware answer
 
 
 def get_stream_priority_range():
-    return (0, -1)
+    return target.profile().stream_priority_range
 
 
 def device_supports_multicast(*args, **kwargs):
-    return False
+    return False  # listed in docs/rehearsal.md: only userbuffers ask, and they are not rehearsed
 
 
 def ubuf_built_with_mpi():
-    return False
+    return False  # TE's PyPI wheels are built without NVTE_UB_WITH_MPI
 
 
 def get_fused_attn_backend(*args, **kwargs):
+    """No cuDNN here: TE's attention then chooses a non-fused backend (UnfusedDotProductAttention on CPU).
+    Listed by name in docs/rehearsal.md; a GPU with cuDNN would answer a fused backend for most shapes."""
     return NVTE_Fused_Attn_Backend.NVTE_No_Backend
 
 
 # --------------------------------------------------------------------------------------------------
-# Everything else TE's extension has: a named NotImplementedError when called.
+# Everything else TE's extension has: a named NotImplementedError when called. Names it does not have:
+# AttributeError, as the real module (``hasattr(tex, name)``, ``getattr(tex, name, default)`` answer as on a GPU).
+
+# The module-level names of TE 2.20's ``transformer_engine_torch``: every ``m.def`` / ``py::class_`` / ``py::enum_``
+# / ``def_submodule`` of ``pytorch/csrc/extensions/pybind.cpp``, ``extensions/ep.cpp`` and
+# ``common/util/pybind_helper.h`` (NVIDIA/TransformerEngine main at 2.20.0.dev0, d0067d0, read 2026-12-01), plus
+# the names TE 2.20.2's own Python reads from the extension (``tex.X``, ``from transformer_engine_torch import``;
+# it adds ``NVTEScalingMode`` and ``ep_prepare_and_dispatch``). ``tex.LayerNorm``, read only by TE's ONNX export
+# path, is in neither: the real extension has no such name.
+REAL_EXTENSION_NAMES = frozenset((
+    "CommOverlap", "CommOverlapAlgo", "CommOverlapBase", "CommOverlapCore", "CommOverlapHelper",
+    "CommOverlapP2P", "CommOverlapP2PBase", "CommOverlapType", "DType", "FP8BwdTensors", "FP8FwdTensors",
+    "FP8TensorMeta", "Float8BlockScaleTensorFormat", "NVTEQBHistogramMode", "NVTERoutingMapFormat",
+    "NVTEScalingMode", "NVTE_Bias_Type", "NVTE_Fused_Attn_Backend", "NVTE_Mask_Type", "NVTE_QKV_Format",
+    "NVTE_QKV_Layout", "NVTE_Softmax_Type", "bgrad_group_quantize", "bgrad_quantize", "bulk_allocate",
+    "bulk_overlap_ag_with_external_gemm", "clamped_dswiglu", "clamped_swiglu", "compute_amax",
+    "convert_bshd_to_thd", "convert_thd_to_bshd", "copy_data_ptrs_to_device", "copy_to_kv_cache",
+    "create_empty_quantized_tensor", "create_nvshmem_tensor", "cusolvermp_ctx_create", "cusolvermp_ctx_destroy",
+    "dbias_dgelu", "dbias_dqgelu", "dbias_drelu", "dbias_dsilu", "dbias_dsrelu", "dequantize",
+    "device_supports_multicast", "dgeglu", "dgelu", "dglu", "dqgeglu", "dqgelu", "dreglu", "drelu",
+    "dropout_bwd", "dropout_fwd", "dsilu", "dsituglu", "dsreglu", "dsrelu", "dswiglu", "ep_combine",
+    "ep_combine_bwd", "ep_dispatch", "ep_dispatch_bwd", "ep_finalize", "ep_get_zero_copy", "ep_handle_mem_size",
+    "ep_initialize", "ep_prepare", "ep_prepare_and_dispatch", "ep_zero_copy_supported", "fa_prepare_bwd",
+    "fa_prepare_fwd", "fp8_block_scaling_compute_partial_amax", "fp8_block_scaling_partial_cast",
+    "fp8_transpose", "fused_amax_and_scale_update_after_reduction", "fused_attn_bwd", "fused_attn_fwd",
+    "fused_moe_aux_loss_bwd", "fused_moe_aux_loss_fwd", "fused_moe_aux_loss_fwd_graph_safe",
+    "fused_multi_row_padding", "fused_multi_row_unpadding", "fused_qkv_rope_backward", "fused_qkv_rope_forward",
+    "fused_rope_backward", "fused_rope_forward", "fused_score_for_moe_aux_loss_bwd",
+    "fused_score_for_moe_aux_loss_fwd", "fused_topk_with_score_function_bwd",
+    "fused_topk_with_score_function_fwd", "fused_topk_with_score_function_qb_fwd", "geglu", "gelu",
+    "generic_gemm", "get_cublasLt_version", "get_cudnn_version", "get_fused_attn_backend",
+    "get_grouped_gemm_setup_workspace_size", "get_num_cublas_streams", "get_stream_priority_range", "glu",
+    "group_dequantize", "group_quantize", "group_requantize_inplace", "grouped_mlp_experimental",
+    "grouped_swizzle_for_gemm", "init_nvshmem_backend", "layernorm_bwd", "layernorm_fwd", "moe_permute_bwd",
+    "moe_permute_fwd", "moe_unpermute_bwd", "moe_unpermute_fwd", "multi_tensor_adam",
+    "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master", "multi_tensor_adam_fp8",
+    "multi_tensor_adam_param_remainder", "multi_tensor_compute_scale_and_scale_inv",
+    "multi_tensor_compute_scale_inv_e8m0", "multi_tensor_l2norm", "multi_tensor_pad_last_dim",
+    "multi_tensor_quantize", "multi_tensor_scale", "multi_tensor_scale_tensor", "multi_tensor_sgd",
+    "multi_tensor_swizzle_scales_for_gemm_", "multi_tensor_swizzle_scales_for_gemm_unchecked_",
+    "multi_tensor_transpose_to_bhsd", "multi_tensor_unscale_l2norm", "mxfp8_scaling_compute_partial_amax",
+    "mxfp8_scaling_partial_cast", "newton_schulz", "nvfp4_2d_compute_partial_amax",
+    "nvfp4_2d_multi_tensor_transpose", "nvfp4_2d_partial_cast", "nvfp4_2d_scale_transpose",
+    "nvfp4_compute_global_scale", "nvfp4_compute_per_block_scale", "nvfp4_data_transpose",
+    "nvfp4_expand_scale_to_fp8", "nvfp4_fused_scale", "nvfp4_group_quantize_with_amax",
+    "nvfp4_multi_tensor_2d_partial_cast", "nvfp4_multi_tensor_compute_partial_amax",
+    "nvfp4_multi_tensor_fused_scale", "nvfp4_quantize_with_amax", "nvshmem_finalize",
+    "nvshmem_send_on_current_stream", "nvshmem_wait_on_current_stream", "nvte_built_with_cublasmp", "qgeglu",
+    "qgelu", "quantize", "reglu", "relu", "rmsnorm_bwd", "rmsnorm_bwd_add", "rmsnorm_fwd",
+    "scaled_aligned_causal_masked_softmax_backward", "scaled_aligned_causal_masked_softmax_forward",
+    "scaled_clamped_dswiglu", "scaled_clamped_swiglu", "scaled_dsituglu", "scaled_dsrelu", "scaled_dswiglu",
+    "scaled_masked_softmax_backward", "scaled_masked_softmax_forward", "scaled_situglu",
+    "scaled_softmax_backward", "scaled_softmax_forward", "scaled_srelu", "scaled_swiglu",
+    "scaled_upper_triang_masked_softmax_backward", "scaled_upper_triang_masked_softmax_forward", "silu",
+    "situglu", "split_quantize", "splits_to_offsets", "splits_to_offsets_multi", "sreglu", "srelu",
+    "swap_first_dims", "swiglu", "swizzle_scales_for_gemm_", "te_general_grouped_gemm",
+    "te_general_grouped_gemm_for_discrete_in", "te_general_grouped_gemm_for_discrete_out",
+    "te_general_grouped_gemm_for_grouped_tensor", "thd_copy_valid_tokens_from_per_split_to_rank_local",
+    "thd_cp_rank_order_to_sequence_order", "thd_get_partitioned_indices", "thd_grad_correction",
+    "thd_out_correction", "thd_read_half_tensor", "thd_read_second_half_lse", "thd_second_half_lse_correction",
+    "thd_sequence_order_to_cp_rank_order", "ubuf_built_with_mpi",
+))
+_SUBMODULES = frozenset({"grouped_mlp_experimental"})
+_extension_names: dict = {}
 
 
-def __getattr__(name: str):
-    if name.startswith("__"):
-        raise AttributeError(name)
+def _installed_te_names() -> frozenset:
+    """REAL_EXTENSION_NAMES, widened for another TE release by the names its Python reads from the extension."""
+    if "names" not in _extension_names:
+        from . import te_version
 
+        names = set(REAL_EXTENSION_NAMES)
+        installed = te_version() or ""
+        if not installed.startswith("2.20."):
+            names |= _names_read_by_te_python()
+        _extension_names["names"] = frozenset(names)
+    return _extension_names["names"]
+
+
+def _names_read_by_te_python() -> set:
+    import importlib.util
+    import pathlib
+    import re
+
+    spec = importlib.util.find_spec("transformer_engine")
+    if spec is None or not spec.submodule_search_locations:
+        return set()
+    found = set()
+    for root in spec.submodule_search_locations:
+        for path in pathlib.Path(root, "pytorch").rglob("*.py"):
+            text = path.read_text(errors="replace")
+            if "transformer_engine_torch" not in text:
+                continue
+            found |= set(re.findall(r"(?<!ops\.)\btex\.([A-Za-z_]\w*)", text))
+            found |= set(re.findall(r"transformer_engine_torch\.([A-Za-z_]\w*)", text))
+            for group in re.findall(r"from transformer_engine_torch import\s*(\([^)]*\)|[^\n]*)", text):
+                found |= set(re.findall(r"[A-Za-z_]\w*", re.sub(r"#[^\n]*", "", group))) - {"import", "as"}
+    return found
+
+
+def _not_implemented(name: str):
     def not_implemented(*args, **kwargs):
         raise NotImplementedError(
             f"transformer_engine_torch.{name}: not implemented by the CPU rehearsal of Transformer "
@@ -1527,9 +1732,24 @@ def __getattr__(name: str):
         )
 
     not_implemented.__name__ = name
+    return not_implemented
+
+
+class _NotImplementedSubmodule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _not_implemented(f"{self.__name__.split('.', 1)[-1]}.{name}")
+
+
+def __getattr__(name: str):
+    if name.startswith("__") or name not in _installed_te_names():
+        raise AttributeError(f"module 'transformer_engine_torch' has no attribute {name!r}")
+    if name in _SUBMODULES:
+        return _NotImplementedSubmodule(f"transformer_engine_torch.{name}")
     if name[:1].isupper():
         return type(name, (_NotOnCpu,), {})
-    return not_implemented
+    return _not_implemented(name)
 
 
 def _self_module():
