@@ -45,8 +45,9 @@ for _name, _module in list(_sys.modules.items()):
 
 
 def _by_startup_hook_for_the_rehearsal_only() -> bool:
-    """This import is the ``.pth`` start-up hook's (``site.addpackage``) and the rehearsal flag is the only
-    switch set: the rehearsal must change where TE comes from and nothing else, so no activation here."""
+    """This import is the ``.pth`` start-up hook's (``site.addpackage``) and no activation flag is set (the
+    rehearsal or the collective audit alone): those change where TE comes from, or record, and nothing else,
+    so no activation here."""
     if env_flag("ACCEL_FP8_FIX") or env_flag("ACCELERATE_FP8_ACCEL_FP8_FIX"):
         return False
     site = _sys.modules.get("site")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
+from . import settings
 from .engine.errors import PatchError  # noqa: F401  (re-exported)
+from .settings import OFF_VALUES, ON_VALUES  # noqa: F401  (re-exported: the accepted bool spellings)
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: `import accel_fp8_fix` stays free of typing, logging, dataclasses
 if TYPE_CHECKING:
@@ -21,22 +22,15 @@ def _logger():
 
     return logger
 
-OFF_VALUES = ("0", "false", "no", "off")
-ON_VALUES = ("1", "true", "yes", "on")
-
 
 class UnsupportedVersionError(RuntimeError):
     """Strict mode: the installed versions are outside every declared window."""
 
 
 def env_flag(name: str) -> bool | None:
-    """True / False for a set variable, None when unset or empty."""
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return None
-    if value in OFF_VALUES:
-        return False
-    return True
+    """True / False for a set boolean setting, None when unset or empty; ValueError (naming the setting, the
+    value and the accepted spellings) for anything else (accel_fp8_fix/settings.py)."""
+    return settings.get(name)
 
 
 def activation_mode() -> str:
@@ -74,14 +68,16 @@ def choose_patch_set(kind: str = "fix", versions: dict | None = None) -> Selecti
     from .engine.declarations import Selection, load_patch_sets, select_patch_set
 
     sets = load_patch_sets()
-    forced = os.environ.get("ACCEL_FP8_FIX_PATCH_SET", "").strip() if kind == "fix" else ""
+    forced = None
+    if kind == "fix":
+        try:
+            forced = settings.get("ACCEL_FP8_FIX_PATCH_SET")
+        except ValueError as exc:  # unsupported: a warning, or UnsupportedVersionError when strict; doctor says it
+            by_name = {s.name: s for s in sets if s.kind == kind}
+            return Selection(kind, None, str(exc).removeprefix("accel_fp8_fix: "), versions or {},
+                             list(by_name.values()))
     if forced:
         by_name = {s.name: s for s in sets if s.kind == kind}
-        if forced not in by_name:
-            return Selection(
-                kind, None, f"ACCEL_FP8_FIX_PATCH_SET={forced!r} names no {kind} set (known: {sorted(by_name)})",
-                versions or {}, list(by_name.values()),
-            )
         chosen = by_name[forced]
         return Selection(kind, chosen, f"forced by ACCEL_FP8_FIX_PATCH_SET={forced}", versions or {}, [chosen])
     return select_patch_set(sets, kind, versions)

@@ -1,6 +1,7 @@
 """Imported at interpreter start-up by the ``accel_fp8_fix.pth`` trampoline, only when one of
-``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX`` (the accelerate config flag) or
-``ACCEL_FP8_FIX_EMULATE_TE`` is set.
+``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX`` (the accelerate config flag),
+``ACCEL_FP8_FIX_EMULATE_TE`` or ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT`` (record collectives for the cross-rank order
+check, ``accel_fp8_fix.testing.collective_order``) is set.
 
 The first two activate the fixes (importing the package does). The rehearsal flag puts Transformer
 Engine's real Python on CPU and opens accelerate's CPU gates (``accel_fp8_fix.rehearsal``, the separate
@@ -13,6 +14,7 @@ import to run the package's ``__init__`` (and activate), the package object is h
 import sys
 
 import accel_fp8_fix
+from accel_fp8_fix import settings
 from accel_fp8_fix._api import env_flag
 
 if env_flag("ACCEL_FP8_FIX_EMULATE_TE"):
@@ -30,8 +32,15 @@ if env_flag("ACCEL_FP8_FIX_EMULATE_TE"):
         except Exception as exc:  # noqa: BLE001  (the .pth would misreport the fixes as not activated)
             sys.stderr.write(f"accel_fp8_fix: CPU rehearsal not installed: {type(exc).__name__}: {exc}\n")
 
-HAND_BACK = bool(env_flag("ACCEL_FP8_FIX_EMULATE_TE")) and not accel_fp8_fix._api.activation_requested()
-if HAND_BACK:  # rehearsal only: what the gates use at accelerate's import, loaded now
+if settings.get("ACCEL_FP8_FIX_COLLECTIVE_AUDIT"):  # a folder; 0 / off / empty: not recording
+    # Record this process's collectives (from init_process_group on) for the cross-rank order check.
+    from accel_fp8_fix.testing import collective_order
+
+    collective_order.install()
+
+# No activation flag (rehearsal or audit only): the user's own `import accel_fp8_fix` must still activate.
+HAND_BACK = not accel_fp8_fix._api.activation_requested()
+if HAND_BACK and env_flag("ACCEL_FP8_FIX_EMULATE_TE"):  # what the gates use at accelerate's import, loaded now
     import accel_fp8_fix.engine.declarations  # noqa: F401
     import accel_fp8_fix.engine.engine  # noqa: F401
     import accel_fp8_fix.engine.versions  # noqa: F401

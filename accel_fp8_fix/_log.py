@@ -40,7 +40,9 @@ def _rank() -> int:
 
 def speaks() -> bool:
     """Does this process emit the package's messages (rank 0, or every rank when asked)?"""
-    return os.environ.get("ACCEL_FP8_FIX_LOG_RANKS", "").strip().lower() == "all" or _rank() == 0
+    from . import settings
+
+    return settings.get("ACCEL_FP8_FIX_LOG_RANKS") == "all" or _rank() == 0
 
 
 def say(logger: logging.Logger, level: int, message: str) -> bool:

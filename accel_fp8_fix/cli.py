@@ -7,18 +7,12 @@ import json
 import os
 import sys
 
-from . import _api
+from . import _api, settings
 from .engine import installed_versions
 from .engine.declarations import declarations_dir
 
 WATCHED = ("accelerate", "torch", "transformer-engine", "transformers", "wrapt", "packaging")
-ENV_VARS = (
-    "ACCEL_FP8_FIX",
-    "ACCELERATE_FP8_ACCEL_FP8_FIX",
-    "ACCEL_FP8_FIX_STRICT",
-    "ACCEL_FP8_FIX_PATCH_SET",
-    "ACCEL_FP8_FIX_EMULATE_TE",
-)
+ENV_VARS = tuple(settings.REGISTRY)  # every setting the package (and its rehearsal) reads: accel_fp8_fix/settings.py
 
 
 def _pth_installed() -> bool:
@@ -44,12 +38,14 @@ def doctor(as_json: bool = False) -> int:
             "start-up trampoline (.pth) installed": _pth_installed(),
             "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
         },
+        "invalid settings": [str(exc) for _setting, exc in settings.check()],
         "declarations": str(declarations_dir()),
         "status": report.as_dict(),
     }
+    ok = selection.supported and not info["invalid settings"]
     if as_json:
         print(json.dumps(info, indent=2, default=str))
-        return 0 if selection.supported else 1
+        return 0 if ok else 1
     print("accel_fp8_fix doctor")
     print("  installed   : " + ", ".join(f"{k} {v or '-'}" for k, v in info["versions"].items()))
     print(f"  patch set   : {info['patch_set'] or 'none (accelerate stays untouched)'}")
@@ -60,20 +56,25 @@ def doctor(as_json: bool = False) -> int:
     print(f"  .pth hook   : {'installed' if info['activation']['start-up trampoline (.pth) installed'] else 'missing'}")
     for key, value in info["activation"]["environment"].items():
         print(f"  env         : {key}={value}")
+    for problem in info["invalid settings"]:
+        print(f"  INVALID     : {problem}")
     print(f"  declarations: {info['declarations']}")
     if report.patches:
         print("  this process:")
         for line in str(report).splitlines():
             print("    " + line)
-    return 0 if selection.supported else 1
+    return 0 if ok else 1
 
 
 def doctor_launch(path: str, as_json: bool = False) -> int:
     """``doctor --launch CONFIG.yaml``: the verdict on an accelerate config file (diagnostics/launch_check.py)."""
-    from .diagnostics.launch_check import check_launch_config
+    from .diagnostics.launch_check import ConfigFileError, check_launch_config
 
     try:
         verdict = check_launch_config(path)
+    except ConfigFileError as exc:  # one line: file:line:column: what the YAML parser found (exit 2: not a verdict)
+        print(f"accel_fp8_fix doctor --launch: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"accel_fp8_fix doctor --launch: cannot read {path}: {exc}", file=sys.stderr)
         return 2

@@ -27,6 +27,3 @@ out = {
 }
 with open(os.path.join(sys.argv[1], f"rank{out['rank']}.json"), "w") as fh:
     json.dump(out, fh)
-# Leave without interpreter teardown (a rare abort in torch's teardown of a worker without a process
-# group was seen once in CI, after the report was written; it is not what these tests check).
-os._exit(0)

@@ -28,9 +28,10 @@ def _batch(rank_slice=None):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP):
-    """The same Llama, converted to TE in one process (lm_head kept, as under TP), full batch, clipped to
-    ``max_norm``: (losses, grad norms before clipping). ``fsdp2``: the TE modules take TE's FSDP2 weight path, as the ranks do."""
+def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP, intermediate=None, keep=("lm_head",)):
+    """The same Llama, converted to TE in one process (``keep`` — lm_head, as under TP — kept), full batch, clipped
+    to ``max_norm``: (losses, grad norms before clipping). ``fsdp2``: the TE modules take TE's FSDP2 weight path,
+    as the ranks do."""
     import torch
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
@@ -38,8 +39,8 @@ def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP):
     from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    model = S.tiny_llama(seed=0)
-    convert_after_sharding(model, te, exclude=("lm_head",))
+    model = S.tiny_llama(seed=0, **_sizes(intermediate))
+    convert_after_sharding(model, te, exclude=tuple(keep))
     for module in model.modules():
         if fsdp2 and hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True
@@ -59,8 +60,18 @@ def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP):
     return losses, norms
 
 
-def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=True, spy=False):
-    """TP (or dp_shard x TP with FSDP2) + FP8 through the patched prepare; losses vs one process."""
+def _sizes(intermediate):
+    return {} if intermediate is None else {"intermediate": intermediate}
+
+
+def _mlp(layers=2):
+    return tuple(f"model.layers.{i}.mlp.{p}" for i in range(layers) for p in ("gate_proj", "up_proj", "down_proj"))
+
+
+def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=True, spy=False, intermediate=None):
+    """TP (or dp_shard x TP with FSDP2) + FP8 through the patched prepare; losses vs one process.
+    ``intermediate``: the MLP width; 48 fits FP8's multiple of 16 globally but not per TP rank (24): the MLP must
+    then be kept in high precision, decided on the local shard as TE decides on a GPU."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -72,9 +83,12 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
     extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)} if fsdp else {}
     acc = S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
                              wrap_cls=["LlamaDecoderLayer"] if fsdp else None, expect=None if not fsdp else "auto", **extra)
-    reference, reference_norms = _reference_losses(steps, fsdp2=fsdp, max_norm=CLIP if clip else float("inf"))
+    misfit = intermediate is not None and (intermediate // tp) % 16 != 0
+    reference, reference_norms = _reference_losses(steps, fsdp2=fsdp, max_norm=CLIP if clip else float("inf"),
+                                                   intermediate=intermediate,
+                                                   keep=("lm_head",) + (_mlp() if misfit else ()))
     mesh = acc.torch_device_mesh
-    model = S.shard_llama_tp(S.tiny_llama(seed=0), mesh["tp"])
+    model = S.shard_llama_tp(S.tiny_llama(seed=0, **_sizes(intermediate)), mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with CollectiveSpy() as prepare_spy:
         model, opt = acc.prepare(model, opt)

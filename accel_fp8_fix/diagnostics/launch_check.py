@@ -51,11 +51,27 @@ class LaunchVerdict:
         return "\n".join(lines)
 
 
+class ConfigFileError(ValueError):
+    """The config file cannot be parsed: ``line`` and ``column`` (1-based) where the parser stopped."""
+
+    def __init__(self, path: str, line, column, problem: str):
+        where = f"{path}:{line}:{column}" if line is not None else path
+        super().__init__(f"{where}: {problem}")
+        self.path, self.line, self.column, self.problem = path, line, column, problem
+
+
 def _load(path: str) -> dict:
     import yaml  # accelerate's own dependency (its config files are YAML; JSON is YAML too)
 
     with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+        try:
+            data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+            parts = (getattr(exc, "context", None), getattr(exc, "problem", None))
+            problem = " ".join(str(p).replace("\n", " ") for p in parts if p)
+            raise ConfigFileError(path, mark.line + 1 if mark else None, mark.column + 1 if mark else None,
+                                  f"not valid YAML: {problem or type(exc).__name__}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not an accelerate config (expected a mapping at the top level)")
     return data
@@ -85,12 +101,31 @@ def check_launch_config(path: str, versions: dict | None = None, environ: dict |
     add(Check("FP8 backend", backend == "TE", f"fp8_config.backend: {backend or 'not set'} (the fixes are for TE)",
               "fp8_config:\n  backend: TE"))
 
-    # the flag (or another way in)
-    flag = fp8.get("accel_fp8_fix")
-    flag_on = flag is True or str(flag).strip().lower() in _api.ON_VALUES
-    env_value = environ.get("ACCEL_FP8_FIX", "").strip().lower()
-    env_on = bool(env_value) and env_value not in _api.OFF_VALUES
-    if env_value and not env_on:
+    # settings: every registered variable set in this environment, read as the run reads it
+    from .. import settings
+
+    for setting, exc in settings.check(environ):
+        if setting.config_key is None:  # fp8_config keys: the activation and recipe checks below
+            add(Check(f"setting {setting.name}", False, str(exc).removeprefix("accel_fp8_fix: "),
+                      f"export {setting.name}={setting.example()}  (or unset it)"))
+
+    # the flag (or another way in): the value the workers get (ACCELERATE_FP8_ACCEL_FP8_FIX), parsed as they parse it
+    exported = {**{k: v for k, v in environ.items() if k.startswith(settings.FP8_CONFIG_PREFIX)},
+                **settings.exported_fp8_env(fp8)}  # the config file's keys win, as in accelerate launch
+    flag_setting = settings.REGISTRY["ACCELERATE_FP8_ACCEL_FP8_FIX"]
+    try:
+        flag_on = bool(flag_setting.parse(exported.get(flag_setting.name)))
+        flag_error = None
+    except ValueError as exc:
+        flag_on, flag_error = False, exc
+    try:
+        env_on = settings.get("ACCEL_FP8_FIX", environ)
+    except ValueError:
+        env_on = None  # reported by the settings check above
+    if flag_error is not None:
+        add(Check("activation", False, str(flag_error).removeprefix("accel_fp8_fix: ") + "; the workers' start-up "
+                  "import fails on it, so the fixes stay off", "fp8_config:\n  accel_fp8_fix: true"))
+    elif env_on is False:
         add(Check("activation", False, "ACCEL_FP8_FIX=0 in this environment turns every activation off",
                   "unset ACCEL_FP8_FIX (or export ACCEL_FP8_FIX=1)"))
     elif flag_on:
@@ -102,6 +137,10 @@ def check_launch_config(path: str, versions: dict | None = None, environ: dict |
                   "script imports accel_fp8_fix before Accelerator())",
                   "fp8_config:\n  accel_fp8_fix: true"))
 
+    # the recipe and its settings: the check Accelerator() and prepare run (fixes/recipes.py), on the variables
+    # accelerate launch exports (the config file's fp8_config over this environment's ACCELERATE_FP8_*)
+    add(_recipe_check(exported))
+
     # versions
     selection = _api.choose_patch_set("fix", versions)
     add(Check("versions", selection.supported,
@@ -110,7 +149,10 @@ def check_launch_config(path: str, versions: dict | None = None, environ: dict |
 
     # Transformer Engine installed (not imported: that needs the GPU this check runs before)
     te_version = (versions or {}).get("transformer-engine") if versions is not None else _te_version()
-    rehearsal = environ.get("ACCEL_FP8_FIX_EMULATE_TE", "").strip().lower() in _api.ON_VALUES
+    try:
+        rehearsal = bool(settings.get("ACCEL_FP8_FIX_EMULATE_TE", environ))
+    except ValueError:
+        rehearsal = False  # reported by the settings check
     if te_version:
         detail = f"transformer-engine {te_version} installed" + (
             " (rehearsal: its Python over the CPU kernel shim)" if rehearsal else "")
@@ -160,6 +202,26 @@ def check_launch_config(path: str, versions: dict | None = None, environ: dict |
         add(Check("device", False, "use_cpu: true without ACCEL_FP8_FIX_EMULATE_TE=1: Transformer Engine needs a GPU",
                   "export ACCEL_FP8_FIX_EMULATE_TE=1  (the CPU rehearsal), or use_cpu: false on GPUs", blocking=False))
     return verdict
+
+
+def _recipe_check(environ: dict) -> Check:
+    from ..fixes import recipes
+
+    try:
+        choice, setting, fields = recipes.settings_from_env(environ)
+        mxfp8 = bool(fields.pop("use_mxfp8_block_scaling", False))
+        fields.pop("use_autocast_during_eval", None)
+        name, setting = recipes.check_settings(choice, setting, fields, mxfp8)
+    except recipes.RecipeSettingError as exc:
+        return Check("FP8 recipe", False, str(exc).removeprefix("accel_fp8_fix: "), exc.fix)
+    except ValueError as exc:  # an unknown recipe name (the settings registry's message)
+        return Check("FP8 recipe", False, str(exc).removeprefix("accel_fp8_fix: "),
+                     f"recipe: delayed  (one of {', '.join(recipes.RECIPES)})")
+    class_name = recipes.RECIPES[name][0]
+    detail = f"{name} ({class_name}, {setting})"
+    if fields:
+        detail += ": " + ", ".join(f"{k}={v}" for k, v in sorted(fields.items()))
+    return Check("FP8 recipe", True, detail + " (TE and the GPU are asked at prepare)")
 
 
 def _te_version() -> str | None:

@@ -13,11 +13,16 @@ Names: ``delayed``, ``current``, ``mxfp8``, ``block``, ``nvfp4``. The recipe is 
 installed TE (does it have the class?) and the GPU (TE's own ``check_*_support``): a recipe that cannot
 run raises a ``ValueError`` naming the recipe, the TE version, the device and TE's reason — at
 ``prepare``, not at the first GEMM.
+
+The recipe name and the settings it takes are checked earlier, by one function (``check_settings``, no torch or
+TE import) wherever they are first seen: ``accel-fp8-fix doctor --launch`` (on the variables ``accelerate
+launch`` would export, ``settings_from_env``), ``Accelerator()`` (``accelerator_init``, patch ``settings``) and
+``te_recipe_kwargs`` (which also refuses, with ``TypeError``, a field neither ``TERecipeKwargs`` nor the TE
+recipe class has).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 ENV = "ACCELERATE_FP8_RECIPE"
@@ -53,20 +58,219 @@ def recipe_name(value: str, setting: str) -> str:
     return key
 
 
+# TERecipeKwargs fields: (the ACCELERATE_FP8_* variable accelerate reads it from, its default). The values are
+# normalised as TERecipeKwargs.__post_init__ does, and a field counts as set when it differs from the default,
+# as in accelerate's to_kwargs() (what build() receives).
+TE_KWARGS = {
+    "use_autocast_during_eval": ("USE_AUTOCAST_DURING_EVAL", False),
+    "margin": ("MARGIN", 0),
+    "interval": ("INTERVAL", 1),
+    "fp8_format": ("FORMAT", "HYBRID"),
+    "amax_history_len": ("AMAX_HISTORY_LEN", 1024),
+    "amax_compute_algo": ("AMAX_COMPUTE_ALGO", "most_recent"),
+    "override_linear_precision": (None, (False, False, False)),  # OVERRIDE_FPROP / _DGRAD / _WGRAD
+    "use_mxfp8_block_scaling": ("USE_MXFP8_BLOCK_SCALING", False),
+}
+FP8_FORMATS = ("HYBRID", "E4M3", "E5M2")
+AMAX_ALGOS = ("max", "most_recent")
+_ACCELERATE_TRUE = ("y", "yes", "t", "true", "on", "1")  # accelerate's str_to_bool (it reads these, not we)
+_ACCELERATE_FALSE = ("n", "no", "f", "false", "off", "0")
+NOT_RECIPE_OPTIONS = ("backend", "use_autocast_during_eval", "use_mxfp8_block_scaling")
+
+
+class RecipeSettingError(ValueError):
+    """A recipe setting that cannot run: ``keys`` (the TERecipeKwargs fields at fault), ``fix`` (what to change, in
+    the accelerate config file's words; a field's config key is its name)."""
+
+    def __init__(self, message: str, keys=(), fix: str = ""):
+        super().__init__(message)
+        self.keys, self.fix = tuple(keys), fix
+
+
+def settings_from_env(environ) -> tuple[object, str, dict]:
+    """(recipe name or None, the setting it came from, the TERecipeKwargs fields set) from the ``ACCELERATE_FP8_*``
+    variables ``environ`` holds — what the workers' ``TERecipeKwargs()`` reads; no accelerate, torch or TE import.
+    A value accelerate itself would refuse raises RecipeSettingError."""
+    from .. import settings
+
+    prefix = settings.FP8_CONFIG_PREFIX
+    choice = settings.parse(ENV, environ.get(ENV))
+    setting = f"fp8_config `recipe` / {ENV}" if choice is not None else ""
+    fields = {}
+    for field, (suffix, default) in TE_KWARGS.items():
+        if suffix is None:
+            raw = tuple(environ.get(prefix + f"OVERRIDE_{p}") for p in ("FPROP", "DGRAD", "WGRAD"))
+            if all(r is None for r in raw):
+                continue
+            value = tuple(_accelerate_bool("override_linear_precision", f"{prefix}OVERRIDE_{p}", r)
+                          for p, r in zip(("FPROP", "DGRAD", "WGRAD"), raw))
+        else:
+            raw = environ.get(prefix + suffix)
+            if raw is None:
+                continue
+            value = _accelerate_value(field, prefix + suffix, raw, default)
+        if value != default:
+            fields[field] = value
+    return choice, setting, fields
+
+
+def _accelerate_bool(field: str, variable: str, raw) -> bool:
+    if raw is None:
+        return False
+    key = str(raw).strip().lower()
+    if key in _ACCELERATE_TRUE:
+        return True
+    if key in _ACCELERATE_FALSE:
+        return False
+    raise RecipeSettingError(f"accel_fp8_fix: fp8_config.{field} ({variable})={raw!r}: accelerate accepts "
+                             f"{' / '.join(_ACCELERATE_TRUE)} or {' / '.join(_ACCELERATE_FALSE)}", (field,),
+                             f"{field}: false")
+
+
+def _accelerate_value(field: str, variable: str, raw: str, default):
+    label = f"fp8_config.{field} ({variable})"
+    if isinstance(default, bool):
+        return _accelerate_bool(field, variable, raw)
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise RecipeSettingError(f"accel_fp8_fix: {label}={raw!r} is not an integer", (field,),
+                                     f"{field}: {default}") from None
+    accepted = FP8_FORMATS if field == "fp8_format" else AMAX_ALGOS
+    value = raw.upper() if field == "fp8_format" else raw.lower()
+    if value not in accepted:
+        raise RecipeSettingError(f"accel_fp8_fix: {label}={raw!r}: accelerate accepts one of {', '.join(accepted)}",
+                                 (field,), f"{field}: {default}")
+    return value
+
+
+def check_settings(choice, setting: str, fields: dict, mxfp8_flag: bool = False) -> tuple[object, str]:
+    """The one validation of a recipe choice against the TERecipeKwargs fields set (``fields``: as ``to_kwargs()``
+    returns them, without ``backend`` / ``use_autocast_during_eval`` / ``use_mxfp8_block_scaling``) — used by
+    ``build`` (at prepare), the ``Accelerator()`` check, ``te_recipe_kwargs`` and ``doctor --launch``; imports
+    neither torch nor Transformer Engine. Returns (recipe name or TE recipe object, the setting it came from);
+    raises RecipeSettingError naming the setting(s) and what to change."""
+    if choice is None:
+        return ("mxfp8", "use_mxfp8_block_scaling") if mxfp8_flag else ("delayed", "the default")
+    if mxfp8_flag and choice != "mxfp8":
+        raise RecipeSettingError(f"accel_fp8_fix: use_mxfp8_block_scaling asks for MXFP8 but {setting} asks for "
+                                 f"{choice!r}: choose one", ("use_mxfp8_block_scaling",),
+                                 "remove use_mxfp8_block_scaling (or recipe: mxfp8)")
+    if not isinstance(choice, str):  # a TE recipe object: TE checks its own fields
+        return choice, setting
+    class_name, _check, takes = RECIPES[choice]
+    if takes is not None:
+        unused = sorted(k for k in fields if k not in takes and k not in NOT_RECIPE_OPTIONS)
+        if unused:
+            raise RecipeSettingError(
+                f"accel_fp8_fix: {', '.join(unused)} set for the {choice!r} recipe ({class_name}), which does not take "
+                f"{'it' if len(unused) == 1 else 'them'} (the amax history settings are DelayedScaling's); remove the "
+                "setting or choose the 'delayed' recipe", unused,
+                "\n".join([f"remove `{k}: {_yaml(fields[k])}` from fp8_config" for k in unused]
+                          + ["(or recipe: delayed)"]))
+    return choice, setting
+
+
+def _yaml(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    return str(value)
+
+
+def check_handler(handler) -> tuple[object, str]:
+    """``check_settings`` for accelerate's ``TERecipeKwargs`` (or None): the settings it carries, from Python and
+    from the ``ACCELERATE_FP8_*`` variables it read."""
+    kwargs = handler.to_kwargs() if handler is not None else {}
+    mxfp8_flag = bool(kwargs.pop("use_mxfp8_block_scaling", False))
+    for key in NOT_RECIPE_OPTIONS:
+        kwargs.pop(key, None)
+    choice, setting = _chosen(handler)
+    return check_settings(choice, setting, kwargs, mxfp8_flag)
+
+
+def accelerator_init(wrapped, instance, args, kwargs):
+    """``Accelerator.__init__``: every setting this package reads is checked before accelerate starts (a bad value
+    raises ValueError naming it), and, once accelerate has resolved its FP8 configuration, the TE recipe and its
+    settings (an unknown recipe, a setting the recipe does not take) — before any model is prepared; the script
+    fails at ``Accelerator()``, not after loading and sharding."""
+    from .. import settings
+
+    problems = settings.check(owners=("package",))
+    if problems:
+        raise ValueError("; ".join(str(exc) for _setting, exc in problems))
+    result = wrapped(*args, **kwargs)
+    if getattr(instance, "fp8_enabled", False):
+        from ..internals.accelerate_internals import recipe_handler
+
+        handler = recipe_handler(instance)
+        if handler is not None and str(getattr(handler, "backend", "TE")).upper() == "TE":
+            check_handler(handler)
+    return result
+
+
 def te_recipe_kwargs(recipe="delayed", **fields):
     """accelerate's ``TERecipeKwargs(**fields)`` that asks for ``recipe`` (a name or a TE recipe object).
 
-    Fields ``TERecipeKwargs`` does not have are passed to the TE recipe class (e.g. ``fp4_format``)."""
+    Fields ``TERecipeKwargs`` does not have are passed to the TE recipe class (e.g. ``fp4_format``); a field neither
+    has raises ``TypeError`` naming it, and a field the recipe does not take (``amax_history_len`` with
+    ``current``) raises ``ValueError`` — here, not at ``prepare``."""
     import dataclasses
 
     from accelerate.utils import TERecipeKwargs
 
     known = {f.name for f in dataclasses.fields(TERecipeKwargs)}
-    handler = TERecipeKwargs(**{k: v for k, v in fields.items() if k in known})
+    extra = {k: v for k, v in fields.items() if k not in known}
     if isinstance(recipe, str):
         recipe = recipe_name(recipe, "te_recipe_kwargs(recipe)")
-    _CHOICES[id(handler)] = (handler, recipe, {k: v for k, v in fields.items() if k not in known})
+    _check_extra_fields(recipe, extra, known)
+    handler = TERecipeKwargs(**{k: v for k, v in fields.items() if k in known})
+    _CHOICES[id(handler)] = (handler, recipe, extra)
+    try:
+        check_handler(handler)
+    except ValueError:
+        _CHOICES.pop(id(handler), None)
+        raise
     return handler
+
+
+def _check_extra_fields(recipe, extra: dict, known: set) -> None:
+    if not extra:
+        return
+    if not isinstance(recipe, str):
+        unknown, takes = sorted(extra), f"a {type(recipe).__name__} object (set them on it)"
+    else:
+        class_name = RECIPES[recipe][0]
+        recipe_fields = _te_recipe_fields(class_name)
+        if recipe_fields is None:  # TE's recipe module not importable here: TE's constructor decides at prepare
+            return
+        unknown, takes = sorted(k for k in extra if k not in recipe_fields), f"{class_name}"
+    if unknown:
+        raise TypeError(f"te_recipe_kwargs() got unknown field{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(map(repr, unknown))} for the {recipe if isinstance(recipe, str) else 'given'} "
+                        f"recipe: neither TERecipeKwargs ({', '.join(sorted(known))}) nor {takes} has "
+                        f"{'it' if len(unknown) == 1 else 'them'}")
+
+
+def _te_recipe_fields(class_name: str):
+    """The fields of TE's recipe class ``class_name`` (None when TE's recipe module cannot be imported)."""
+    import dataclasses
+
+    try:
+        import transformer_engine.common.recipe as te_recipe
+    except Exception:  # noqa: BLE001 - TE absent or unusable here
+        return None
+    cls = getattr(te_recipe, class_name, None)
+    if cls is None:
+        return set()
+    try:
+        return {f.name for f in dataclasses.fields(cls)}
+    except TypeError:
+        import inspect
+
+        return set(inspect.signature(cls).parameters)
 
 
 def _choice_of(handler) -> tuple:
@@ -106,10 +310,10 @@ def _chosen(handler) -> tuple[object, str]:
     from_handler = _choice_of(handler)[0]
     if from_handler is not None:
         return from_handler, "te_recipe_kwargs(recipe)"
-    if os.environ.get(ENV):
-        setting = f"fp8_config `recipe` / {ENV}"
-        return recipe_name(os.environ[ENV], setting), setting
-    return None, ""
+    from .. import settings
+
+    choice = settings.get(ENV)  # ValueError naming the variable, the value and the recipes for an unknown name
+    return (choice, f"fp8_config `recipe` / {ENV}") if choice is not None else (None, "")
 
 
 def build(handler):
@@ -120,28 +324,17 @@ def build(handler):
     kwargs.pop("backend", None)
     use_during_eval = kwargs.pop("use_autocast_during_eval", False)
     mxfp8_flag = kwargs.pop("use_mxfp8_block_scaling", False)
-    choice, setting = _chosen(handler)
-    if choice is None:
-        choice, setting = ("mxfp8", "use_mxfp8_block_scaling") if mxfp8_flag else ("delayed", "the default")
-    elif mxfp8_flag and choice != "mxfp8":
-        raise ValueError(f"accel_fp8_fix: use_mxfp8_block_scaling asks for MXFP8 but {setting} asks for {choice!r}: "
-                         "choose one")
+    choice, setting = check_settings(*_chosen(handler), kwargs, mxfp8_flag)
     if not isinstance(choice, str):  # a TE recipe object
         _check_support(type(choice).__name__, _check_for(choice), setting)
         return choice, use_during_eval
-    class_name, check_name, takes = RECIPES[choice]
+    class_name, check_name, _takes = RECIPES[choice]
     cls = getattr(te_recipe, class_name, None)
     if cls is None:
         raise ValueError(f"accel_fp8_fix: {setting} asks for the {choice!r} recipe ({class_name}), which Transformer "
                          f"Engine {_te_version()} does not have: upgrade Transformer Engine or choose another recipe")
     if "fp8_format" in kwargs:
         kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
-    if takes is not None:
-        unused = sorted(k for k in kwargs if k not in takes)
-        if unused:
-            raise ValueError(f"accel_fp8_fix: {', '.join(unused)} set for the {choice!r} recipe ({class_name}), "
-                             f"which does not take {'it' if len(unused) == 1 else 'them'} (the amax history settings are "
-                             "DelayedScaling's); remove the setting or choose the 'delayed' recipe")
     kwargs.update(_choice_of(handler)[1])
     _check_support(class_name, check_name, setting)
     try:

@@ -10,6 +10,11 @@ default process group initialised on gloo with ``collective_timeout``. The retur
 rank order. Any rank failing, or the whole run outliving ``timeout``, raises
 :class:`DistributedTestError` carrying every rank's traceback / output tail; all ranks are killed, so a
 stuck collective cannot eat a CI budget.
+
+Every run is a collective-order audit too (``audit_collectives=True``, the default): each rank records the
+collectives it issues (``accel_fp8_fix.testing.collective_order``) and a run whose ranks disagree — a group's
+members issuing different collectives, sizes or orders, which gloo completes and NCCL hangs on — raises
+:class:`DistributedTestError` naming the first divergent collective and the ranks.
 """
 
 from __future__ import annotations
@@ -27,13 +32,30 @@ __all__ = ["run_distributed", "DistributedTestError", "free_port"]
 
 
 class DistributedTestError(AssertionError):
-    """One or more ranks failed or hung; the message holds every rank's report."""
+    """One or more ranks failed or hung, or their collectives diverged; the message holds every rank's report.
+    ``divergences``: what the collective-order audit found; ``results``: the ranks' return values when every rank
+    finished (a divergence alone)."""
+
+    def __init__(self, message: str, divergences: list | None = None, results: list | None = None):
+        super().__init__(message)
+        self.divergences = divergences or []
+        self.results = results
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _collective_divergences(tmp: Path, world_size: int) -> list[str]:
+    from .collective_order import check, load_dir
+
+    runs = load_dir(tmp / "collectives")
+    sequences = {rank: seq for run in runs.values() for rank, seq in run["sequences"].items()}
+    if len(sequences) < world_size:
+        return []  # a rank recorded nothing (failed before recording): its own error is the report
+    return check(sequences)
 
 
 def _tail(text: str, lines: int = 40) -> str:
@@ -51,12 +73,14 @@ def run_distributed(
     collective_timeout: float = 60.0,
     init_process_group: bool = True,
     sys_path: list | None = None,
+    audit_collectives: bool = True,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` CPU processes; return the results by rank.
 
     ``env`` is added to every rank's environment, ``rank_env`` maps a rank to extra variables for it.
     ``sys_path`` entries are prepended to the workers' ``sys.path`` (the caller's module directory is
-    added automatically so test modules are importable).
+    added automatically so test modules are importable). ``audit_collectives=False`` skips the
+    collective-order audit (for a function that diverges on purpose).
     """
     module = fn.__module__
     qualname = fn.__qualname__
@@ -85,6 +109,8 @@ def run_distributed(
             "init_process_group": init_process_group,
             "collective_timeout": collective_timeout,
             "timeout": timeout,
+            "audit_collectives": audit_collectives,
+            "deadline": time.time() + timeout,  # wall clock: the ranks' imports take part of the timeout
         }
         (tmp / "payload.pkl").write_bytes(pickle.dumps(payload))
         procs = []
@@ -148,9 +174,16 @@ def run_distributed(
             failed = True
             status = "killed (still running at the deadline)" if p.returncode in (-9,) else f"exit {p.returncode}"
             reports.append(f"--- rank {rank}: {status} ---\n{_tail(output)}")
+        divergences = _collective_divergences(tmp, world_size) if audit_collectives else []
         if failed or timed_out:
             head = f"{qualname} on {world_size} ranks " + (
                 f"timed out after {timeout:.0f}s" if timed_out else "failed"
             )
-            raise DistributedTestError(head + "\n" + "\n".join(reports))
+            if divergences:  # a hang is often the divergence itself: name it
+                reports.append("collective order (as far as the ranks recorded it):\n  " + "\n  ".join(divergences))
+            raise DistributedTestError(head + "\n" + "\n".join(reports), divergences)
+        if divergences:
+            raise DistributedTestError(
+                f"{qualname} on {world_size} ranks: the ranks' collectives diverge (gloo completed the run; NCCL "
+                "would hang or corrupt it):\n  " + "\n  ".join(divergences), divergences, results)
         return results

@@ -5,6 +5,8 @@ import importlib
 import os
 import pickle
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +27,16 @@ def main(tmp: str, rank: str) -> None:
 
     import torch.distributed as dist
 
+    audit = None
+    if payload.get("audit_collectives"):
+        from accel_fp8_fix.testing import collective_order as audit
+
+        audit.install(tmp_dir / "collectives")  # records from init_process_group on
+        # A hang is often a divergence: write what was recorded shortly before the launcher kills this rank.
+        left = payload.get("deadline", time.time() + payload["timeout"]) - time.time()
+        watchdog = threading.Timer(max(left - 3, 0.5), audit.write_now, kwargs={"failed": True})
+        watchdog.daemon = True
+        watchdog.start()
     if payload["init_process_group"]:
         dist.init_process_group(
             "gloo",
@@ -35,21 +47,25 @@ def main(tmp: str, rank: str) -> None:
     try:
         result = fn(int(rank), world_size, *payload["args"])
     except BaseException:
-        # Report first and leave without destroy_process_group(): with peers gone it can block forever.
+        # Report first and leave at once, without destroy_process_group() or interpreter teardown: with peers
+        # gone (or stuck in a collective with this rank) either can block until the collective timeout.
         traceback.print_exc()
+        if audit is not None:
+            audit.write_now(failed=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    if audit is not None:
+        watchdog.cancel()
+        audit.write_now()
     (tmp_dir / f"rank{rank}.result").write_bytes(pickle.dumps(result))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank leaves while a peer may still be inside a collective with it
+        # Destroy the group before interpreter teardown, as a plain torch script does: a gloo group left alive
+        # races Py_FinalizeEx (its worker threads take the GIL while the interpreter finalizes: "terminate
+        # called without an active exception", SIGABRT, a finished rank fails; A20, fixes/clean_exit.py).
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    # The result is written and every rank is past its last collective: leave without
-    # destroy_process_group / interpreter teardown, where torch's C++ threads occasionally abort
-    # ("terminate called without an active exception", seen in CI under load) and fail a finished rank.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -17,6 +17,7 @@ PLAN_2 = [
     ("sc_no_convertible_layer", {}),
     ("sc_optimizer_without_model", {}),
     ("sc_largest_allocation", {}),
+    ("sc_fsdp2_fp8_train", {"steps": 2, "te_fsdp2_path": False}),  # mutation: TE's FSDP2 weight path off
 ]
 PLAN_4 = [("sc_fsdp2_fp8_train", {"dp_replicate": 2, "dp_shard": 2, "steps": 4})]
 
@@ -73,6 +74,21 @@ def test_clipped_grad_norm_is_the_single_process_norm(train2):
     ``float()`` reads it (A17: torch 2.9 returned a Partial DTensor whose float() is one rank's share)."""
     for f in train2:
         F.check_grad_norms(f)
+
+
+def test_tes_fsdp2_weight_path_is_taken_and_the_checks_tell_a_run_without_it_apart(train2):
+    """Every TE module takes TE's FSDP2 weight path (``is_fsdp2``, its cached FSDP2 state = its enclosing unit's),
+    and the step-0 grad-norm check is tight enough to fail when that path is off on the ranks."""
+    for f in train2:
+        assert F.LINEARS <= set(f["is_fsdp2"])
+        assert all(f["is_fsdp2"].values()) and all(f["cached_state_is_enclosing_unit"].values())
+    mutated = S.facts_of(F.launch(PLAN_2, 2), S.key_of(PLAN_2, "sc_fsdp2_fp8_train", {"steps": 2, "te_fsdp2_path": False}))
+    for f in mutated:
+        assert not any(f["is_fsdp2"].values())
+        with pytest.raises(AssertionError):
+            F.check_grad_norms(f)
+        rel = abs(f["grad_norms"][0] / f["reference_grad_norms"][0] - 1)
+        assert rel > 2 * F.STEP0_NORM_REL, rel  # well outside, not at the edge
 
 
 def test_two_dim_data_parallel_mesh_flattens_into_one_amax_group():

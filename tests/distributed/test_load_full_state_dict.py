@@ -16,11 +16,12 @@ import io
 import pickle
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
 import accel_fp8_fix
-from accel_fp8_fix.testing import run_distributed
+from accel_fp8_fix.testing import DistributedTestError, run_distributed
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -284,9 +285,16 @@ def tp_sharded_at_load(rank, world):
 
 
 def test_a6_tp_sharded_params_at_load():
-    out = run_distributed(tp_sharded_at_load, 2, timeout=90, collective_timeout=20)
-    # stock: rank 0 broadcast its local shard, the others the global shape: rank 0 fails in load_state_dict,
-    # the others load whatever arrived (silently wrong values), or fail
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(tp_sharded_at_load, 2, timeout=90, collective_timeout=20)
+    # stock: rank 0 broadcast its local shard, the others the global shape — gloo lets it through, NCCL would
+    # not: the collective-order audit names it (the first divergence of the group; the fixed path that runs
+    # after it in this launch is audited on its own in the 2-D tests below)
+    assert info.value.divergences == [
+        "group [0, 1]: collective #4 differs between ranks 0 and 1: rank 0 issued broadcast (c10d.broadcast_) float32 "
+        "numel=64 on group [0, 1]; rank 1 issued broadcast (c10d.broadcast_) float32 numel=128 on group [0, 1]"]
+    out = info.value.results
+    # rank 0 fails in load_state_dict, the others load whatever arrived (silently wrong values), or fail
     assert out[0]["stock"] and "size mismatch" in out[0]["stock"], out[0]["stock"]
     for r in out[1:]:
         assert r["stock"] is not None or r["stock_corrupt"], r

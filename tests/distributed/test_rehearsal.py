@@ -30,7 +30,7 @@ def two():
 
 @pytest.fixture(scope="module")
 def four():
-    return S.launch(S.PLAN_4RANK, 4, env=S.ENV_REHEARSAL, timeout=180)
+    return S.launch(S.PLAN_4RANK, 4, env=S.ENV_REHEARSAL, timeout=180, audit_collectives=False)
 
 
 def _facts(results, plan, name, kwargs=None):
@@ -318,8 +318,15 @@ def _accelerate_launch(tmp_path, distributed_type, extra=""):
     config.write_text(LAUNCH_CONFIG.format(distributed_type=distributed_type, extra=extra))
     out = tmp_path / "seen"
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config), str(HERE / "_scenarios.py"), "--out", str(out)]
-    proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    audit = tmp_path / "collectives"
+    proc = subprocess.run(cmd, env=_clean_env(ACCEL_FP8_FIX_COLLECTIVE_AUDIT=str(audit)), capture_output=True,
+                          text=True, timeout=150, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # every launched rank's collectives agree (the order NCCL needs)
+    from accel_fp8_fix.testing.collective_order import check_dir, load_dir
+
+    assert check_dir(audit) == []
+    proc.collective_runs = load_dir(audit)
     files = sorted(glob.glob(f"{out}.rank*.json"))
     return proc, [json.loads(Path(f).read_text()) for f in files]
 
@@ -331,6 +338,8 @@ def test_accelerate_launch_fsdp_config_on_cpu(tmp_path):
     extra = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
     proc, seen = _accelerate_launch(tmp_path, "FSDP", extra)
     assert len(seen) == 2, seen
+    (run,) = proc.collective_runs.values()  # both ranks recorded (and agreed) from init_process_group on
+    assert sorted(run["sequences"]) == [0, 1] and all(run["sequences"].values())
     line = "accel_fp8_fix rehearsal: no CUDA device; FSDP2 plugin + ParallelismConfig(dp_shard_size=2) requested"
     assert proc.stderr.count(line) == 1, proc.stderr[-3000:]  # one voice: rank 0 says it once for the job
     for rank, f in enumerate(seen):

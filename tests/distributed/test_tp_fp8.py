@@ -25,10 +25,14 @@ def ckpt_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tp_ckpt"))
 
 
+MISFIT = {"dp_shard": 2, "tp": 2, "intermediate": 48, "steps": 3}  # MLP 48 fits FP8 globally, 24 per TP rank does not
+FOUR_RANK_PLAN = [("sc_tp_fp8_train", {"dp_shard": 2, "tp": 2}), ("sc_tp_fp8_train", MISFIT)]
+
+
 @pytest.fixture(scope="module")
 def four_ranks(ckpt_dir):
-    """One 4-rank launch: FSDP2 x TP training, then a 2x2 checkpoint save."""
-    return T.launch([("sc_tp_fp8_train", {"dp_shard": 2, "tp": 2}), ("sc_tp_checkpoint_save", {"out_dir": ckpt_dir})], 4)
+    """One 4-rank launch: FSDP2 x TP training (plus the locally misfit MLP), then a 2x2 checkpoint save."""
+    return T.launch([*FOUR_RANK_PLAN, ("sc_tp_checkpoint_save", {"out_dir": ckpt_dir})], 4)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,23 @@ def test_fsdp2_x_tp_converts_trains_in_fp8_and_matches_the_reference(fsdp_tp):
         assert f["fp8_state_identical_every_step"] == [True] * T.STEPS
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-5)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+
+
+def test_a_tp_shard_whose_local_dims_misfit_fp8_is_kept_as_a_gpu_would_decide(four_ranks):
+    """FSDP2 x TP with an MLP of 48 (a multiple of 16) split into 24 per TP rank: TE's GEMMs see the local
+    shard, so conversion is decided on the local dims — the MLP stays high precision, named with its local
+    shape, and TE's own ``assert_dim_for_fp8_exec`` never fires (a rule on global dims would convert it and
+    fail at the first forward)."""
+    for f in S.facts_of(four_ranks, S.key_of([*FOUR_RANK_PLAN], "sc_tp_fp8_train", MISFIT)):
+        mlp = set(T._mlp())
+        assert set(f["skipped"]) == mlp | {"lm_head"}
+        reasons = dict(zip(f["skipped"], f["skip_reasons"]))
+        assert all("24" in reasons[n] for n in mlp), reasons
+        assert set(f["converted"]) == TP_LINEARS - mlp
+        assert {n: c for n, c in f["fp8_gemms_fwd_per_module"].items() if c} == {n: 3 for n in TP_LINEARS - mlp}
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-5)
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=2e-2)
 
 
 def test_no_dtensor_reaches_c10d_in_prepare_or_training(tp2, fsdp_tp):

@@ -1,0 +1,207 @@
+"""Every setting this package reads, with one parser: environment variables and the accelerate config's
+``fp8_config`` keys (which ``accelerate launch`` exports to every worker as ``ACCELERATE_FP8_<KEY>``).
+
+Kinds and accepted spellings (leading / trailing blanks ignored; an empty value is the same as unset):
+
+* ``bool``: ``1 true yes on`` / ``0 false no off``, case-insensitive;
+* ``enum``: one of the listed names, case-insensitive;
+* ``path``: a folder; ``0 false no off`` also mean unset (as the start-up gate of ``accel_fp8_fix.pth`` reads it);
+* ``seconds``: a number >= 0.
+
+Anything else raises ``ValueError`` naming the setting, the value and the accepted values. ``doctor --launch``
+and the run read every setting through :func:`parse` (the doctor turns ``fp8_config`` into the variables
+accelerate exports, :func:`exported_fp8_env`, then reads those), so they cannot disagree.
+
+``owner``: who reads it — ``package`` (this package: every read goes through :func:`get`), ``rehearsal`` (the
+CPU rehearsal, ``accel_fp8_fix.rehearsal``, with its own reader that accepts exactly what is listed here) or
+``testing`` (``accel_fp8_fix.testing``). Stdlib only: imported by ``import accel_fp8_fix``.
+"""
+
+from __future__ import annotations
+
+import os
+
+ON_VALUES = ("1", "true", "yes", "on")
+OFF_VALUES = ("0", "false", "no", "off")
+FP8_CONFIG_PREFIX = "ACCELERATE_FP8_"
+
+__all__ = ["Setting", "REGISTRY", "ON_VALUES", "OFF_VALUES", "parse", "get", "check", "exported_fp8_env",
+           "setting_for_config_key"]
+
+
+class Setting:
+    """One setting: ``name`` (the environment variable), ``kind``, ``meaning``, ``choices`` (enum: value ->
+    meaning, or a function returning that mapping), ``config_key`` (its ``fp8_config`` key, if any), ``owner``,
+    ``default`` (what unset means, in words)."""
+
+    __slots__ = ("name", "kind", "meaning", "choices", "config_key", "owner", "default", "case_sensitive")
+
+    def __init__(self, name, kind, meaning, choices=None, config_key=None, owner="package", default="",
+                 case_sensitive=False):
+        self.name, self.kind, self.meaning, self.choices = name, kind, meaning, choices
+        self.config_key, self.owner, self.default, self.case_sensitive = config_key, owner, default, case_sensitive
+
+    def __repr__(self) -> str:
+        return f"Setting({self.name!r}, {self.kind!r})"
+
+    @property
+    def label(self) -> str:
+        """How errors name it: the config key too when it has one."""
+        return f"fp8_config.{self.config_key} ({self.name})" if self.config_key else self.name
+
+    def choice_map(self) -> dict:
+        choices = self.choices() if callable(self.choices) else self.choices
+        return dict(choices or {})
+
+    def accepted(self) -> str:
+        if self.kind == "bool":
+            return f"{' / '.join(ON_VALUES)} or {' / '.join(OFF_VALUES)} (case-insensitive; empty = unset)"
+        if self.kind == "enum":
+            case = "" if self.case_sensitive else "case-insensitive; "
+            return f"one of {', '.join(self.choice_map())} ({case}empty = unset)"
+        if self.kind == "path":
+            return f"a folder ({' / '.join(OFF_VALUES)} or empty = unset)"
+        if self.kind == "seconds":
+            return "a number of seconds >= 0 (empty = unset)"
+        raise AssertionError(self.kind)  # pragma: no cover
+
+    def example(self) -> str:
+        """A value to put in a suggested fix."""
+        if self.kind == "bool":
+            return "1"
+        if self.kind == "enum":
+            return next(iter(self.choice_map()), "")
+        return "/path/to/folder" if self.kind == "path" else "60"
+
+    def parse(self, raw):
+        """The value ``raw`` (a string, or None for unset) means: None when unset, else bool / str / float."""
+        if raw is None:
+            return None
+        text = str(raw).strip()
+        if not text:
+            return None
+        key = text if self.case_sensitive else text.lower()
+        if self.kind == "bool":
+            if key in ON_VALUES:
+                return True
+            if key in OFF_VALUES:
+                return False
+        elif self.kind == "enum":
+            choices = self.choice_map()
+            if self.name == RECIPE:  # recipe names also have TE's class names as aliases (fixes/recipes.py)
+                from .fixes.recipes import ALIASES
+
+                key = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+            if key in choices:
+                return key
+        elif self.kind == "path":
+            return None if key in OFF_VALUES else text
+        elif self.kind == "seconds":
+            try:
+                value = float(text)
+            except ValueError:
+                value = -1.0
+            if value >= 0:
+                return value
+        raise ValueError(f"accel_fp8_fix: {self.label}={text!r} is not a valid value: accepted {self.accepted()}. "
+                         f"It sets: {self.meaning}")
+
+
+def _patch_sets() -> dict:
+    from .engine.declarations import load_patch_sets
+
+    return {s.name: s.summary for s in load_patch_sets() if s.kind == "fix"}
+
+
+def _recipes() -> dict:
+    from .fixes.recipes import RECIPES
+
+    return {name: f"TE {cls}" for name, (cls, _check, _takes) in RECIPES.items()}
+
+
+RECIPE = "ACCELERATE_FP8_RECIPE"
+
+REGISTRY: dict = {s.name: s for s in (
+    Setting("ACCEL_FP8_FIX", "bool", "on: every Python process of the environment activates the fixes at start-up "
+            "(the .pth trampoline); off: every activation is turned off, even an explicit import", default="import "
+            "activates; nothing at start-up"),
+    Setting("ACCELERATE_FP8_ACCEL_FP8_FIX", "bool", "the accelerate config flag: on activates the fixes in every "
+            "worker `accelerate launch` starts", config_key="accel_fp8_fix", default="off"),
+    Setting("ACCEL_FP8_FIX_STRICT", "bool", "on: installed versions outside every supported window raise "
+            "UnsupportedVersionError instead of a warning", default="off"),
+    Setting("ACCEL_FP8_FIX_PATCH_SET", "enum", "use this patch set (by name) whatever the installed versions",
+            choices=_patch_sets, case_sensitive=True, default="chosen from the installed versions"),
+    Setting("ACCEL_FP8_FIX_EMULATE_TE", "bool", "on: the CPU rehearsal (Transformer Engine's Python over a CPU "
+            "kernel shim, accelerate's CPU gates opened); needs accel-fp8-fix-rehearsal", default="off"),
+    Setting("ACCEL_FP8_FIX_AUDIT", "bool", "on: print audit(model) after prepare (the mesh's first rank)",
+            default="off"),
+    Setting("ACCEL_FP8_FIX_LOG_RANKS", "enum", "which ranks emit the package's log messages",
+            choices={"first": "rank 0 only", "all": "every rank"}, default="first"),
+    Setting(RECIPE, "enum", "the Transformer Engine recipe (docs: README 'FP8 recipes'); TE class names are "
+            "accepted too (e.g. Float8CurrentScaling, delayed_scaling)", choices=_recipes, config_key="recipe",
+            default="delayed (or mxfp8 with use_mxfp8_block_scaling)"),
+    Setting("ACCEL_FP8_FIX_EXIT_TIMEOUT", "seconds", "how long the exit handler waits for the process group's "
+            "destruction (fixes/clean_exit.py)", default="60"),
+    Setting("ACCEL_FP8_FIX_EXIT_GRACE", "seconds", "how long the exit handler holds the interpreter for the group's "
+            "worker threads (fixes/clean_exit.py)", default="0.2"),
+    Setting("ACCEL_FP8_FIX_COLLECTIVE_AUDIT", "path", "record this process's collectives into this folder for the "
+            "cross-rank order check (accel_fp8_fix.testing.collective_order, docs/testing.md)", owner="testing",
+            default="off"),
+    Setting("ACCEL_FP8_FIX_REHEARSAL_TARGET", "enum", "the GPU and CUDA stack the CPU rehearsal answers as",
+            choices={"h200-cu130": "H200, CUDA 13.0 (sm90)", "h100-cu128": "H100, CUDA 12.8 (sm90)",
+                     "b200-cu130": "B200, CUDA 13.0 (sm100)", "l40s-cu128": "L40S, CUDA 12.8 (sm89)"},
+            owner="rehearsal", default="h200-cu130"),
+    Setting("ACCEL_FP8_FIX_CPU_TE_ARCH", "enum", "the compute capability the CPU rehearsal reports (over the target's)",
+            choices={"sm89": "8.9 (Ada)", "sm90": "9.0 (Hopper)", "sm100": "10.0 (Blackwell)"}, owner="rehearsal",
+            default="the target's"),
+    Setting("ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM", "enum", "1: the CPU rehearsal models Hopper's FP8 fast "
+            "accumulation (docs/rehearsal.md)", choices={"0": "off", "1": "on"}, owner="rehearsal", default="0"),
+)}
+
+
+def setting_for_config_key(key: str) -> Setting | None:
+    for setting in REGISTRY.values():
+        if setting.config_key == key:
+            return setting
+    return None
+
+
+def parse(name: str, raw):
+    """What the string ``raw`` means for setting ``name`` (None: unset); ValueError when it is not accepted."""
+    return REGISTRY[name].parse(raw)
+
+
+def get(name: str, environ=None):
+    """The value of setting ``name`` in ``environ`` (default ``os.environ``): None when unset."""
+    return parse(name, (os.environ if environ is None else environ).get(name))
+
+
+def check(environ=None, owners=("package", "rehearsal", "testing")) -> list:
+    """(setting, ValueError) for every registered variable set to a value it does not accept."""
+    environ = os.environ if environ is None else environ
+    problems = []
+    for setting in REGISTRY.values():
+        if setting.owner not in owners:
+            continue
+        try:
+            setting.parse(environ.get(setting.name))
+        except ValueError as exc:
+            problems.append((setting, exc))
+    return problems
+
+
+def exported_fp8_env(fp8_config: dict) -> dict:
+    """The ``ACCELERATE_FP8_*`` variables ``accelerate launch`` exports for this ``fp8_config`` mapping
+    (accelerate's ``setup_fp8_env``: a key not starting with ``fp8`` gets ``fp8_`` in front, the value is
+    ``str(value)``; ``override_linear_precision`` becomes three variables)."""
+    env = {}
+    for key, value in (fp8_config or {}).items():
+        if value is None:
+            continue
+        arg = str(key) if str(key).startswith("fp8") else f"fp8_{key}"
+        if arg == "fp8_override_linear_precision":
+            for part, item in zip(("FPROP", "DGRAD", "WGRAD"), value):
+                env[f"{FP8_CONFIG_PREFIX}OVERRIDE_{part}"] = str(item)
+        else:
+            env[f"ACCELERATE_{arg.upper()}"] = str(value)
+    return env

@@ -1,0 +1,388 @@
+"""Cross-rank collective-order audit: what NCCL needs and gloo does not check.
+
+gloo completes runs in which ranks issue different collectives, in a different order or with different sizes,
+on the same process group; NCCL hangs on them (or corrupts data). This module records, on every rank, each
+collective as it reaches torch's dispatcher (``c10d::*`` ops — what the Python c10d API lowers to — and the
+functional ``_c10d_functional::*`` ops that FSDP2 and DTensor issue), then compares the ranks' sequences:
+
+* per process group: every member rank must issue the same collectives (kind, dtype, element count) in the
+  same order — else :func:`check` names the first divergent collective and the ranks;
+* per pair of ranks: the collectives on all groups the two share must interleave in the same order (two
+  groups used in opposite orders by two ranks deadlock NCCL even when each group's own sequence matches).
+
+Use it three ways:
+
+* ``accel_fp8_fix.testing.run_distributed`` records and checks by default (``audit_collectives=False``
+  turns it off for one call);
+* a launched job: ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT=DIR accelerate launch ...`` (any process where the
+  package's start-up hook runs — one of ``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX``,
+  ``ACCEL_FP8_FIX_EMULATE_TE`` or ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT`` set — or after :func:`install` in the
+  script) writes one file per rank when the process exits; ``python -m accel_fp8_fix.testing.collective_order
+  DIR`` checks them (exit 1 naming the divergence);
+* in Python: ``with CollectiveRecorder() as rec: ...`` then ``check({rank: records, ...})``.
+
+Recorded per collective: op kind (``all_reduce``, ``all_gather``, ...; the Python API's ``c10d::allreduce_`` and
+the functional ``all_reduce`` are the same kind on the wire), the group's global ranks, dtype and the element
+count of this rank's input. ``all_to_all`` counts may differ by rank (uneven splits) and are not compared;
+point-to-point ``send`` / ``recv`` are not collectives and are not recorded. Limits: the calling thread's
+collectives only (autograd's CPU backward runs in it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from itertools import combinations
+from pathlib import Path
+
+ENV_DIR = "ACCEL_FP8_FIX_COLLECTIVE_AUDIT"
+
+__all__ = ["CollectiveRecorder", "Collective", "check", "check_dir", "install", "load_dir", "ENV_DIR"]
+
+# dispatcher op base name -> (kind, the schema argument holding this rank's input, compare counts?)
+_KINDS = {
+    "allreduce_": ("all_reduce", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "all_reduce": ("all_reduce", "input"),
+    "all_reduce_": ("all_reduce", "input"),
+    "all_reduce_coalesced": ("all_reduce", "inputs"),
+    "all_reduce_coalesced_": ("all_reduce", "inputs"),
+    "broadcast_": ("broadcast", "tensors"),
+    "broadcast": ("broadcast", "input"),
+    "reduce_": ("reduce", "tensors"),
+    "allgather_": ("all_gather", "input_tensors"),
+    "allgather_coalesced_": ("all_gather", "input_list"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "inputs"),
+    "_allgather_base_": ("all_gather", "input_tensor"),
+    "all_gather_into_tensor": ("all_gather", "input"),
+    "all_gather_into_tensor_out": ("all_gather", "input"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
+    "alltoall_": ("all_to_all", None),
+    "alltoall_base_": ("all_to_all", None),
+    "all_to_all_single": ("all_to_all", None),
+    "gather_": ("gather", "input_tensors"),
+    "scatter_": ("scatter", "output_tensors"),
+    "barrier": ("barrier", None),
+    "monitored_barrier_": ("barrier", None),
+}
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as this rank issued it. ``numel`` is None where ranks may legitimately differ."""
+
+    kind: str
+    op: str  # the dispatcher op, e.g. "c10d.allreduce_" or "_c10d_functional.all_gather_into_tensor"
+    group: tuple[int, ...]
+    dtype: str | None
+    numel: int | None
+    group_name: str = ""  # c10d's name: two groups of the same ranks are two communicators under NCCL
+
+    def key(self) -> tuple:
+        """What must agree across ranks (the op spelling may differ: Python API vs functional)."""
+        return (self.kind, self.group, self.group_name, self.dtype, self.numel)
+
+    @property
+    def communicator(self) -> tuple:
+        return (self.group, self.group_name)
+
+    def __str__(self) -> str:
+        size = "" if self.numel is None else f" numel={self.numel}"
+        return f"{self.kind} ({self.op}) {self.dtype}{size} on group {list(self.group)}"
+
+
+def _tensors(obj, out: list) -> list:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _tensors(item, out)
+    return out
+
+
+def _group_of(args):
+    """(global ranks, name) of the process group among a dispatcher op's arguments, or None."""
+    import torch
+    import torch.distributed as dist
+
+    for a in args:
+        group = None
+        try:
+            if isinstance(a, dist.ProcessGroup):
+                group = a
+            elif isinstance(a, torch.ScriptObject):
+                group = dist.ProcessGroup.unbox(a)
+            elif isinstance(a, str):
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                group = _resolve_process_group(a)
+        except Exception:  # noqa: BLE001 - a tag, a reduce op: not a group
+            group = None
+        if group is not None:
+            try:
+                ranks = tuple(dist.get_process_group_ranks(group))
+            except Exception:  # noqa: BLE001 - the default group before registration
+                ranks = tuple(range(dist.get_world_size()))
+            return ranks, getattr(group, "group_name", "") or ""
+    return None
+
+
+def _describe(func, args, kwargs) -> Collective | None:
+    namespace = getattr(func, "namespace", "")
+    if namespace not in _NAMESPACES:
+        return None
+    base = func._schema.name.partition("::")[2]
+    if base not in _KINDS:
+        return None
+    kind, payload_arg = _KINDS[base]
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    group = _group_of(list(bound.values()))
+    if group is None:
+        return None
+    payload = _tensors(bound.get(payload_arg), []) if payload_arg else []
+    dtype = str(payload[0].dtype).replace("torch.", "") if payload else None
+    numel = sum(t.numel() for t in payload) if payload else None
+    return Collective(kind=kind, op=f"{namespace}.{base}", group=group[0], dtype=dtype, numel=numel,
+                      group_name=group[1])
+
+
+def _recorder_base():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def _dtensor_type():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+class CollectiveRecorder(_recorder_base()):
+    """A ``TorchDispatchMode`` that appends every collective this thread issues to ``records``.
+
+    Ops on DTensors are handed to DTensor (``NotImplemented``, as torch's ``CommDebugMode`` does) with the
+    recorder still active, so the collectives a DTensor issues for a redistribution are recorded as plain-tensor
+    ops. Other tensor subclasses (TE's quantized tensors, fake tensors) run with the recorder suspended: they
+    issue no collectives of their own.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, _dtensor_type()) for t in types):
+            return NotImplemented  # DTensor handles it with the recorder active: its redistributions are seen
+        record = _describe(func, args, kwargs)
+        if record is not None:
+            self.records.append(record)
+        return func(*args, **kwargs)
+
+
+# -- comparing ---------------------------------------------------------------------------------------------
+
+
+def _per_group(records: list[Collective]) -> dict[tuple, list[Collective]]:
+    out: dict[tuple, list[Collective]] = defaultdict(list)
+    for r in records:
+        out[r.communicator].append(r)
+    return out
+
+
+def _first_difference(a: list[Collective], b: list[Collective]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.key() != y.key():
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _at(seq: list[Collective], i: int) -> str:
+    return str(seq[i]) if i < len(seq) else f"nothing (it issued {len(seq)} on this group)"
+
+
+def check(sequences: dict[int, list[Collective]]) -> list[str]:
+    """The divergences between ranks' collective sequences (empty: every group agrees). ``sequences`` maps
+    each rank to what it recorded, in program order."""
+    problems: list[str] = []
+    by_rank_group = {rank: _per_group(seq) for rank, seq in sequences.items()}
+    groups = sorted({g for per in by_rank_group.values() for g in per})
+    for communicator in groups:
+        group, name = communicator
+        members = [r for r in group if r in sequences]
+        if len(members) < 2:
+            continue
+        first = members[0]
+        ref = by_rank_group[first].get(communicator, [])
+        for other in members[1:]:
+            seq = by_rank_group[other].get(communicator, [])
+            i = _first_difference(ref, seq)
+            if i is not None:
+                label = f"group {list(group)}" + (f" ({name!r})" if name and len(groups) > len({g for g, _ in groups}) else "")
+                problems.append(
+                    f"{label}: collective #{i} differs between ranks {first} and {other}: "
+                    f"rank {first} issued {_at(ref, i)}; rank {other} issued {_at(seq, i)}"
+                )
+                break
+    if problems:
+        return problems
+    # Every group agrees; now the order across groups, for each pair of ranks.
+    for a, b in combinations(sorted(sequences), 2):
+        sa = [r for r in sequences[a] if b in r.group]
+        sb = [r for r in sequences[b] if a in r.group]
+        i = _first_difference(sa, sb)
+        if i is not None:
+            problems.append(
+                f"ranks {a} and {b} issue their shared groups' collectives in a different order (NCCL deadlocks): "
+                f"shared collective #{i}: rank {a} issued {_at(sa, i)}; rank {b} issued {_at(sb, i)}"
+            )
+    return problems
+
+
+# -- launched jobs: one file per rank -------------------------------------------------------------------------
+
+_installed: dict = {"recorder": None, "dir": None}
+_install_lock = threading.Lock()
+
+
+def _run_id() -> str:
+    # The ranks of one launch share the rendezvous port and (torchrun, accelerate launch) the agent process.
+    return f"run-{os.environ.get('MASTER_PORT', 'na')}-{os.getppid()}"
+
+
+def dump(recorder: CollectiveRecorder, path: Path, rank: int, world_size: int, failed: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"rank": rank, "world_size": world_size, "failed": failed,
+               "records": [asdict(r) for r in recorder.records]}
+    path.write_text(json.dumps(payload))
+
+
+def _read(path: Path) -> tuple[dict, list[Collective]]:
+    data = json.loads(path.read_text())
+    records = [Collective(**dict(r, group=tuple(r["group"]))) for r in data["records"]]
+    return data, records
+
+
+def load_dir(directory) -> dict[str, dict]:
+    """``{run id: {"world_size", "failed", "sequences": {rank: [Collective]}}}`` from a recording folder."""
+    runs: dict[str, dict] = {}
+    for path in sorted(Path(directory).glob("run-*/rank*.json")):
+        data, records = _read(path)
+        run = runs.setdefault(path.parent.name, {"world_size": data["world_size"], "failed": False, "sequences": {}})
+        run["failed"] = run["failed"] or data["failed"]
+        run["sequences"][data["rank"]] = records
+    return runs
+
+
+def check_dir(directory) -> list[str]:
+    """Divergences in a folder written by launched ranks (``ACCEL_FP8_FIX_COLLECTIVE_AUDIT=DIR``). A run in
+    which a rank exited on an exception is not compared (its failure is reported by the job itself); a run with
+    ranks missing is reported."""
+    problems = []
+    for run_id, run in load_dir(directory).items():
+        if run["failed"]:
+            continue
+        missing = sorted(set(range(run["world_size"])) - set(run["sequences"]))
+        if missing:
+            problems.append(f"{run_id}: no record from ranks {missing} of {run['world_size']} "
+                            "(a rank that left with os._exit or was killed writes none)")
+            continue
+        problems.extend(f"{run_id}: {p}" for p in check(run["sequences"]))
+    return problems
+
+
+def _exiting_on_exception() -> bool:
+    return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+
+
+def _start_recording() -> None:
+    """After ``init_process_group``: push the recorder (this thread) and write its file at exit."""
+    import torch.distributed as dist
+
+    with _install_lock:
+        if _installed["recorder"] is not None:
+            return
+        recorder = CollectiveRecorder()
+        recorder.__enter__()
+        _installed["recorder"] = recorder
+    _installed["path"] = Path(_installed["dir"]) / _run_id() / f"rank{dist.get_rank()}.json"
+    _installed["world_size"] = dist.get_world_size()
+    atexit.register(lambda: write_now(failed=_exiting_on_exception()))
+
+
+def write_now(failed: bool = False) -> None:
+    """Write what this process recorded so far (also done at exit); nothing if recording never started."""
+    recorder = _installed["recorder"]
+    if recorder is not None:
+        rank = int(_installed["path"].stem[len("rank"):])
+        dump(recorder, _installed["path"], rank, _installed["world_size"], failed=failed)
+
+
+def install(directory=None) -> None:
+    """Record this process's collectives from ``init_process_group`` on; write them to ``directory`` (default:
+    ``$ACCEL_FP8_FIX_COLLECTIVE_AUDIT``) at exit. Idempotent; a process group that already exists is recorded
+    from now on."""
+    directory = directory or os.environ.get(ENV_DIR)
+    if not directory:
+        raise ValueError(f"collective_order.install(): no folder given and {ENV_DIR} is not set")
+    _installed["dir"] = str(directory)
+    if "torch.distributed" in sys.modules:
+        _wrap_init(sys.modules["torch.distributed"])
+    else:
+        import wrapt
+
+        wrapt.register_post_import_hook(_wrap_init, "torch.distributed")
+
+
+def _wrap_init(dist_module) -> None:
+    import torch.distributed.distributed_c10d as c10d
+    import wrapt
+
+    if dist_module.is_available() and dist_module.is_initialized():
+        _start_recording()
+        return
+
+    def after_init(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        _start_recording()
+        return result
+
+    for module in (c10d, dist_module):
+        if not getattr(module.init_process_group, "_self_accel_fp8_fix_audit", False):
+            wrapper = wrapt.FunctionWrapper(module.init_process_group, after_init)
+            wrapper._self_accel_fp8_fix_audit = True
+            module.init_process_group = wrapper
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m accel_fp8_fix.testing.collective_order DIR", file=sys.stderr)
+        return 2
+    runs = load_dir(argv[0])
+    problems = check_dir(argv[0])
+    for p in problems:
+        print(p)
+    if not problems:
+        print(f"collective order: {len(runs)} run(s), every group's ranks agree")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The collective-order audit of the test bed (accel_fp8_fix.testing.collective_order): planted divergences — ones
+gloo completes and NCCL would hang on or corrupt, and one gloo hangs on too — fail the run by name; what FSDP2 and
+DTensor issue is recorded alike on every rank."""
+
+import pytest
+
+from accel_fp8_fix.testing import DistributedTestError, run_distributed
+
+
+def _planted(rank, world_size, which):
+    import torch
+    import torch.distributed as dist
+
+    if which == "dtype":  # same bytes, other dtype: gloo completes with garbage on rank 1
+        t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int32)
+        dist.all_reduce(t)
+        return str(t.dtype)
+    if which == "order":  # two shared groups in opposite orders: gloo's async ops complete, NCCL deadlocks
+        pair = dist.new_group([0, 1])
+        a, b = torch.ones(3), torch.ones(3)
+        first, second = ((a, pair), (b, None)) if rank == 0 else ((b, None), (a, pair))
+        works = [dist.all_reduce(t, group=g, async_op=True) for t, g in (first, second) if rank < 2 or g is None]
+        for w in works:
+            w.wait()
+        return float(b.sum())
+    if which == "kind":  # all_reduce on rank 0, broadcast on rank 1: a hang, on gloo too
+        t = torch.ones(4)
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(t) if rank == 0 else dist.broadcast(t, src=0)
+        return True
+    raise ValueError(which)
+
+
+def _records(rank, world_size, layout):
+    """What the rank's recorder saw while FSDP2 / DTensor ran."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from accel_fp8_fix.testing import collective_order
+
+    recorder = collective_order._installed["recorder"]
+    mesh = init_device_mesh("cpu", (world_size,))
+    before = len(recorder.records)
+    if layout == "dtensor":
+        d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        assert d.full_tensor().shape == (4, 2)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(torch.ones(3, 6)).sum().backward()
+    dist.barrier()
+    return [(r.kind, r.group, r.dtype, r.numel) for r in recorder.records[before:]]
+
+
+def test_a_dtype_mismatch_gloo_completes_fails_the_run_naming_the_collective_and_ranks():
+    # gloo alone: the run "passes", rank 1 holding garbage
+    assert run_distributed(_planted, 2, args=("dtype",), timeout=60, audit_collectives=False) == ["torch.float32",
+                                                                                                   "torch.int32"]
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_planted, 2, args=("dtype",), timeout=60)
+    text = str(info.value)
+    assert "the ranks' collectives diverge (gloo completed the run; NCCL would hang or corrupt it)" in text
+    assert ("group [0, 1]: collective #0 differs between ranks 0 and 1: rank 0 issued all_reduce (c10d.allreduce_) "
+            "float32 numel=4 on group [0, 1]; rank 1 issued all_reduce (c10d.allreduce_) int32 numel=4") in text
+
+
+def test_two_groups_in_opposite_orders_fail_the_run_though_each_group_agrees():
+    assert run_distributed(_planted, 3, args=("order",), timeout=60, audit_collectives=False) == [9.0, 9.0, 9.0]
+    with pytest.raises(DistributedTestError, match=r"ranks 0 and 1 issue their shared groups' collectives in a "
+                                                   r"different order \(NCCL deadlocks\): shared collective #0"):
+        run_distributed(_planted, 3, args=("order",), timeout=60)
+
+
+def test_a_hang_reports_the_divergence_that_caused_it():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_planted, 2, args=("kind",), timeout=20)
+    text = str(info.value)
+    assert "timed out after 20s" in text
+    assert ("collective #1 differs between ranks 0 and 1: rank 0 issued all_reduce (c10d.allreduce_) float32 numel=4"
+            " on group [0, 1]; rank 1 issued broadcast (c10d.broadcast_) float32 numel=4") in text
+
+
+def test_dtensor_redistribution_and_fsdp2_collectives_are_recorded_alike_on_every_rank():
+    dtensor = run_distributed(_records, 2, args=("dtensor",), timeout=90)
+    # full_tensor() is an all-gather issued inside DTensor's dispatch: recorded as the plain-tensor functional op
+    assert ("all_gather", (0, 1), "float32", 4) in dtensor[0]
+    assert dtensor[0] == dtensor[1]
+    fsdp = run_distributed(_records, 2, args=("fsdp2",), timeout=90)
+    kinds = [k for k, *_ in fsdp[0]]
+    assert kinds.count("all_gather") >= 2 and kinds.count("reduce_scatter") >= 2, fsdp[0]
+    assert fsdp[0] == fsdp[1]

@@ -1,0 +1,62 @@
+"""accel_fp8_fix.testing.collective_order.check: the comparison itself (no processes)."""
+
+from accel_fp8_fix.testing.collective_order import Collective, check, check_dir, dump, CollectiveRecorder
+
+
+def c(kind, group, numel=4, dtype="float32"):
+    return Collective(kind=kind, op=f"c10d.{kind}", group=tuple(group), dtype=dtype, numel=numel)
+
+
+def test_agreeing_sequences_pass():
+    seq = [c("all_reduce", [0, 1]), c("broadcast", [0, 1])]
+    assert check({0: list(seq), 1: list(seq)}) == []
+
+
+def test_a_group_only_its_members_compare():
+    # rank 2 is not in group [0, 1]: what it does there is not compared
+    assert check({0: [c("all_reduce", [0, 1])], 1: [c("all_reduce", [0, 1])], 2: [c("barrier", [2, 3])]}) == []
+
+
+def test_the_first_divergent_collective_and_the_ranks_are_named():
+    problems = check({0: [c("all_reduce", [0, 1]), c("broadcast", [0, 1])],
+                      1: [c("all_reduce", [0, 1]), c("all_gather", [0, 1])]})
+    assert problems == ["group [0, 1]: collective #1 differs between ranks 0 and 1: rank 0 issued broadcast "
+                        "(c10d.broadcast) float32 numel=4 on group [0, 1]; rank 1 issued all_gather (c10d.all_gather) "
+                        "float32 numel=4 on group [0, 1]"]
+
+
+def test_a_missing_collective_is_named():
+    problems = check({0: [c("all_reduce", [0, 1])], 1: []})
+    assert "rank 1 issued nothing (it issued 0 on this group)" in problems[0]
+
+
+def test_two_groups_used_in_opposite_orders_deadlock_nccl_and_are_named():
+    a, b = c("all_reduce", [0, 1]), c("all_reduce", [0, 1, 2])
+    problems = check({0: [a, b], 1: [b, a], 2: [b]})
+    assert len(problems) == 1
+    assert problems[0].startswith("ranks 0 and 1 issue their shared groups' collectives in a different order")
+
+
+def test_two_communicators_of_the_same_ranks_are_told_apart_by_name():
+    a = Collective(kind="all_reduce", op="c10d.allreduce_", group=(0, 1), dtype="float32", numel=3, group_name="0")
+    b = Collective(kind="all_reduce", op="c10d.allreduce_", group=(0, 1), dtype="float32", numel=3, group_name="7f")
+    problems = check({0: [a, b], 1: [b, a]})  # each communicator agrees; their order does not
+    assert problems and problems[0].startswith("ranks 0 and 1 issue their shared groups' collectives in a different")
+    c = Collective(kind="all_reduce", op="c10d.allreduce_", group=(0, 1), dtype="int64", numel=3, group_name="7f")
+    problems = check({0: [a, b], 1: [a, c]})
+    assert problems[0].startswith("group [0, 1] ('7f'): collective #0 differs between ranks 0 and 1")
+
+
+def test_uneven_all_to_all_counts_are_not_compared():
+    x = Collective(kind="all_to_all", op="c10d.alltoall_base_", group=(0, 1), dtype="float32", numel=None)
+    assert check({0: [x], 1: [x]}) == []
+
+
+def test_check_dir_skips_failed_runs_and_reports_missing_ranks(tmp_path):
+    rec = CollectiveRecorder()
+    rec.records.append(c("all_reduce", [0, 1]))
+    dump(rec, tmp_path / "run-1-1" / "rank0.json", 0, 2)
+    assert check_dir(tmp_path) == ["run-1-1: no record from ranks [1] of 2 (a rank that left with os._exit or "
+                                   "was killed writes none)"]
+    dump(rec, tmp_path / "run-1-1" / "rank1.json", 1, 2, failed=True)
+    assert check_dir(tmp_path) == []
