@@ -65,17 +65,22 @@ def _launch(config: Path, *args: str, env=None) -> subprocess.CompletedProcess:
 def test_finished_runs_exit_zero(tmp_path):
     config = tmp_path / "fsdp2.yaml"
     config.write_text(CONFIG)
+    from accel_fp8_fix.testing.collective_order import check_dir, load_dir
+
     failures = []
     for i in range(LAUNCHES):
         in_flight = i % 2 == 1
         args = ["--steps", "2"] + (["--in-flight"] if in_flight else [])
+        audit = tmp_path / f"collectives{i}"  # the user script's collectives agree across ranks, too
+        env = _env(ACCEL_FP8_FIX_COLLECTIVE_AUDIT=str(audit))
         if in_flight:
             with _busy_loop():
-                proc = _launch(config, *args)
+                proc = _launch(config, *args, env=env)
         else:
-            proc = _launch(config, *args)
+            proc = _launch(config, *args, env=env)
         out = proc.stdout + proc.stderr
         assert "training done" in proc.stdout, f"launch {i} did not finish training:\n{out[-4000:]}"
+        assert check_dir(audit) == [] and [len(r["sequences"]) for r in load_dir(audit).values()] == [2], i
         if proc.returncode != 0 or "terminate called" in out:
             failures.append(f"launch {i} ({' '.join(args)}): exit {proc.returncode}\n{out[-1500:]}")
     assert not failures, f"{len(failures)} of {LAUNCHES} finished launches did not exit cleanly:\n" + "\n".join(failures)
