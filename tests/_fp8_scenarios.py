@@ -134,7 +134,9 @@ def fsdp2_weight_path_facts(model, te_mods: dict) -> dict:
             cached_ok[name] = True  # an FSDP2 unit itself: TE asks it directly
         else:
             cached_ok[name] = getattr(m, "_te_cached_parent_fsdp_state", None) is enclosing(name)._get_fsdp_state()
-    return {"is_fsdp2": {n: bool(m.is_fsdp2) for n, m in te_mods.items()}, "cached_state_is_enclosing_unit": cached_ok}
+    # TE releases before the FSDP2 weight path (2.8) have no is_fsdp2: None
+    is_fsdp2 = {n: (bool(m.is_fsdp2) if hasattr(type(m), "is_fsdp2") else None) for n, m in te_mods.items()}
+    return {"is_fsdp2": is_fsdp2, "cached_state_is_enclosing_unit": cached_ok}
 
 
 def reduced_fp8_state(model) -> dict:

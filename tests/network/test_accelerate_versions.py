@@ -82,8 +82,14 @@ def test_fix_set_is_chosen_and_every_target_applies_with_its_declared_signature(
     sets = {key.split(" ", 1)[0] for key in probe["signatures"]}
     assert {FIX_SET, REHEARSAL_SET} <= sets
     wrong = {k: s for k, s in probe["signatures"].items()
-             if k.split(" ", 1)[0] in (FIX_SET, REHEARSAL_SET) and s["found"] != s["declared"]}
+             if k.split(" ", 1)[0] in (FIX_SET, REHEARSAL_SET) and s["declared"] is not None
+             and s["found"] != s["declared"]}
     assert wrong == {}
+    # the one target whose signature cannot be pinned: Accelerator.__init__'s `split_batches` default is a sentinel
+    # object printed with its address (it only wraps the call: the settings check, whatever the arguments)
+    unpinned = {k for k, s in probe["signatures"].items() if k.split(" ", 1)[0] in (FIX_SET, REHEARSAL_SET)
+                and s["declared"] is None}
+    assert unpinned == {f"{FIX_SET} accelerate.accelerator:Accelerator.__init__"}
     # both sets really sit on accelerate (the fix set's targets are the ones report() lists)
     assert all(s["wrapped"] for k, s in probe["signatures"].items() if k.split(" ", 1)[0] in (FIX_SET, REHEARSAL_SET))
 
