@@ -1,6 +1,6 @@
 """Imported at interpreter start-up by the ``accel_fp8_fix.pth`` trampoline, only when one of
 ``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX`` (the accelerate config flag),
-``ACCEL_FP8_FIX_EMULATE_TE`` or ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT`` (record collectives for the cross-rank order
+``ACCEL_FP8_FIX_REHEARSAL`` or ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT`` (record collectives for the cross-rank order
 check, ``accel_fp8_fix.testing.collective_order``) is set.
 
 The first two activate the fixes (importing the package does). The rehearsal flag puts Transformer
@@ -17,14 +17,14 @@ import accel_fp8_fix
 from accel_fp8_fix import settings
 from accel_fp8_fix._api import env_flag
 
-if env_flag("ACCEL_FP8_FIX_EMULATE_TE"):
+if env_flag(settings.REHEARSAL):
     try:
         from accel_fp8_fix import rehearsal
     except ImportError as exc:
         state = "fixes active" if accel_fp8_fix._api.activation_requested() else "fixes off"
         sys.stderr.write(
-            f"accel_fp8_fix: ACCEL_FP8_FIX_EMULATE_TE is set but the CPU rehearsal is not installed ({exc}); "
-            f"pip install accel-fp8-fix-rehearsal ({state})\n"
+            f"accel_fp8_fix: ACCEL_FP8_FIX_REHEARSAL is set but the CPU rehearsal is not installed ({exc}); "
+            f"from a checkout of accel_fp8_fix: {settings.REHEARSAL_INSTALL} ({state})\n"
         )
     else:
         try:
@@ -40,7 +40,7 @@ if settings.get("ACCEL_FP8_FIX_COLLECTIVE_AUDIT"):  # a folder; 0 / off / empty:
 
 # No activation flag (rehearsal or audit only): the user's own `import accel_fp8_fix` must still activate.
 HAND_BACK = not accel_fp8_fix._api.activation_requested()
-if HAND_BACK and env_flag("ACCEL_FP8_FIX_EMULATE_TE"):  # what the gates use at accelerate's import, loaded now
+if HAND_BACK and env_flag(settings.REHEARSAL):  # what the gates use at accelerate's import, loaded now
     import accel_fp8_fix.engine.declarations  # noqa: F401
     import accel_fp8_fix.engine.engine  # noqa: F401
     import accel_fp8_fix.engine.versions  # noqa: F401

@@ -25,8 +25,8 @@ ON_VALUES = ("1", "true", "yes", "on")
 OFF_VALUES = ("0", "false", "no", "off")
 FP8_CONFIG_PREFIX = "ACCELERATE_FP8_"
 
-__all__ = ["Setting", "REGISTRY", "ON_VALUES", "OFF_VALUES", "parse", "get", "check", "exported_fp8_env",
-           "setting_for_config_key"]
+__all__ = ["Setting", "REGISTRY", "ON_VALUES", "OFF_VALUES", "REHEARSAL", "DEPRECATED", "parse", "get", "check",
+           "exported_fp8_env", "setting_for_config_key"]
 
 
 class Setting:
@@ -119,7 +119,18 @@ def _recipes() -> dict:
     return {name: f"TE {cls}" for name, (cls, _check, _takes) in RECIPES.items()}
 
 
+def _all_gather_choices() -> dict:
+    return {"high_precision": "FSDP2 gathers weights in its policy's param_dtype (stock)",
+            "fp8": "FSDP2 gathers converted TE Linear weights as FP8 + scale (FSDP2 only; delayed / current recipes)"}
+
+
 RECIPE = "ACCELERATE_FP8_RECIPE"
+REHEARSAL = "ACCEL_FP8_FIX_REHEARSAL"
+# The one install instruction for the CPU rehearsal (README, docs/rehearsal.md and the start-up message say it):
+# its own distribution, built from a checkout of this repository; it brings Transformer Engine's pure-Python wheel.
+REHEARSAL_INSTALL = "pip install ./packaging/rehearsal"
+DEPRECATED = {"ACCEL_FP8_FIX_EMULATE_TE": REHEARSAL}  # old name -> new name: read when the new one is unset
+_warned: set = set()
 
 REGISTRY: dict = {s.name: s for s in (
     Setting("ACCEL_FP8_FIX", "bool", "on: every Python process of the environment activates the fixes at start-up "
@@ -131,15 +142,23 @@ REGISTRY: dict = {s.name: s for s in (
             "UnsupportedVersionError instead of a warning", default="off"),
     Setting("ACCEL_FP8_FIX_PATCH_SET", "enum", "use this patch set (by name) whatever the installed versions",
             choices=_patch_sets, case_sensitive=True, default="chosen from the installed versions"),
-    Setting("ACCEL_FP8_FIX_EMULATE_TE", "bool", "on: the CPU rehearsal (Transformer Engine's Python over a CPU "
-            "kernel shim, accelerate's CPU gates opened); needs accel-fp8-fix-rehearsal", default="off"),
+    Setting(REHEARSAL, "bool", "on: the CPU rehearsal (Transformer Engine's Python over a CPU kernel shim, "
+            "accelerate's CPU gates opened); install: " + REHEARSAL_INSTALL + " (from a checkout)", default="off"),
+    Setting("ACCEL_FP8_FIX_EMULATE_TE", "bool", f"deprecated name of {REHEARSAL} (read when that is unset, with a "
+            "one-time FutureWarning)", default="off"),
     Setting("ACCEL_FP8_FIX_AUDIT", "bool", "on: print audit(model) after prepare (the mesh's first rank)",
             default="off"),
+    Setting("ACCEL_FP8_FIX_COVERAGE_WARNING", "bool", "off: no RuntimeWarning after prepare when GEMMs besides the "
+            "output layer stay in high precision (the figure stays in audit(model) and the log)", default="on"),
     Setting("ACCEL_FP8_FIX_LOG_RANKS", "enum", "which ranks emit the package's log messages",
             choices={"first": "rank 0 only", "all": "every rank"}, default="first"),
     Setting(RECIPE, "enum", "the Transformer Engine recipe (docs: README 'FP8 recipes'); TE class names are "
             "accepted too (e.g. Float8CurrentScaling, delayed_scaling)", choices=_recipes, config_key="recipe",
             default="delayed (or mxfp8 with use_mxfp8_block_scaling)"),
+    Setting("ACCELERATE_FP8_ALL_GATHER", "enum", "how FSDP2 all-gathers the weights of the Linears converted to "
+            "TE: fp8 = quantized on the shard, gathered as FP8 + one scale, masters and checkpoints unchanged "
+            "(docs/fixes.md, 'FP8 all-gather')", choices=lambda: dict(_all_gather_choices()), config_key="all_gather",
+            default="high_precision"),
     Setting("ACCEL_FP8_FIX_EXIT_TIMEOUT", "seconds", "how long the exit handler waits for the process group's "
             "destruction (fixes/clean_exit.py)", default="60"),
     Setting("ACCEL_FP8_FIX_EXIT_GRACE", "seconds", "how long the exit handler holds the interpreter for the group's "
@@ -172,8 +191,26 @@ def parse(name: str, raw):
 
 
 def get(name: str, environ=None):
-    """The value of setting ``name`` in ``environ`` (default ``os.environ``): None when unset."""
-    return parse(name, (os.environ if environ is None else environ).get(name))
+    """The value of setting ``name`` in ``environ`` (default ``os.environ``): None when unset. A deprecated old
+    name of the setting is read when the new one is unset, with a FutureWarning once per process (rank 0)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(name)
+    if raw is None or not str(raw).strip():
+        for old, new in DEPRECATED.items():
+            if new == name and str(environ.get(old) or "").strip():
+                _warn_deprecated(old, new)
+                return parse(old, environ[old])
+    return parse(name, raw)
+
+
+def _warn_deprecated(old: str, new: str) -> None:
+    if old in _warned or os.environ.get("RANK", "0") != "0":
+        return
+    _warned.add(old)
+    import warnings
+
+    warnings.warn(f"accel_fp8_fix: {old} is deprecated; set {new} instead (same values)", FutureWarning,
+                  stacklevel=3)
 
 
 def check(environ=None, owners=("package", "rehearsal", "testing")) -> list:

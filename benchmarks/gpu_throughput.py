@@ -8,6 +8,11 @@ Each configuration runs in its own process (fresh CUDA memory, fresh accelerate 
 * ``bf16``: ``Accelerator(mixed_precision="bf16")``, the same FSDP2 plugin; no TE.
 * ``fp8-delayed``: ``mixed_precision="fp8"`` with accelerate's ``TERecipeKwargs`` (DelayedScaling, HYBRID,
   amax history 16, max).
+* ``fp8-delayed-ag8`` / ``fp8-current-ag8``: the same recipe with the FP8 all-gather
+  (``ACCELERATE_FP8_ALL_GATHER=fp8``: weights quantized on the FSDP2 shard, gathered as FP8, handed to TE as
+  Float8Tensors; one packed weight-amax all-reduce per step; the row's ``fp8_all_gather`` = weights served so).
+  On one GPU the all-gather is a local copy: the row measures the quantize-once weight path; the bytes on the
+  wire are benchmarks/fp8_all_gather.py's (2 and 4 ranks).
 * ``fp8-current`` / ``fp8-block`` / ``fp8-mxfp8``: the same, with the recipe accelerate would build replaced by
   TE's ``Float8CurrentScaling`` / ``Float8BlockScaling`` / ``MXFP8BlockScaling`` (accelerate's kwargs express
   only delayed scaling and MXFP8); run only where TE says the GPU supports it (the bf16 run asks TE).
@@ -19,7 +24,7 @@ were FP8 tensors (``transformer_engine_torch.generic_gemm`` calls counted in one
 
 Prints the table (markdown) and one ``BENCH_ROW {json}`` line per configuration; ``--table PATH`` writes the
 table there too. ``--tiny`` runs a small model on CPU over TE's real Python with the CPU rehearsal
-(``ACCEL_FP8_FIX_EMULATE_TE=1``): a check of this script, no speed figures.
+(``ACCEL_FP8_FIX_REHEARSAL=1``): a check of this script, no speed figures.
 
 Run (one GPU, real TE): ``python benchmarks/gpu_throughput.py [--table out.md] [--budget 240]``.
 """
@@ -38,8 +43,10 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8")
+CONFIGS = ("bf16", "fp8-delayed", "fp8-delayed-ag8", "fp8-current", "fp8-current-ag8", "fp8-block", "fp8-mxfp8")
+AG8 = "-ag8"  # the same recipe with the FP8 all-gather (ACCELERATE_FP8_ALL_GATHER=fp8, fixes/fp8_all_gather.py)
 SUPPORT = {"fp8-delayed": "is_fp8_available", "fp8-current": "is_fp8_available",
+           "fp8-delayed-ag8": "is_fp8_available", "fp8-current-ag8": "is_fp8_available",
            "fp8-block": "is_fp8_block_scaling_available", "fp8-mxfp8": "is_mxfp8_available"}
 RECIPE_KWARGS = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
 
@@ -104,8 +111,11 @@ def run_one(args) -> dict:
                             rank=0, world_size=1, timeout=timedelta(seconds=120))
     row: dict = {"config": args.one, "device": torch.cuda.get_device_name(0) if cuda else "cpu (rehearsal)"}
     fp8 = args.one != "bf16"
-    if fp8 and args.one != "fp8-delayed":
-        _substitute_recipe(args.one)
+    base = args.one.removesuffix(AG8)
+    if args.one.endswith(AG8):
+        os.environ["ACCELERATE_FP8_ALL_GATHER"] = "fp8"
+    if fp8 and base != "fp8-delayed":
+        _substitute_recipe(base)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
     accelerator = Accelerator(mixed_precision="fp8" if fp8 else "bf16", fsdp_plugin=plugin,
@@ -123,6 +133,7 @@ def run_one(args) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     row["prepare_s"] = round(time.perf_counter() - started, 2)
     setup = getattr(accelerator, "accel_fp8_fix", None)
+    row["fp8_all_gather"] = len(setup.all_gather.weights) if setup is not None and setup.all_gather else 0
     te_modules = [m for m in model.modules() if type(m).__module__.startswith("transformer_engine.")
                   and hasattr(m, "fp8")]
     if not args.one.startswith("fp8"):
@@ -165,7 +176,7 @@ def run_one(args) -> dict:
     tokens = args.batch * args.seq * args.steps
     row.update(
         params_b=round(params / 1e9, 3), tokens_per_step=args.batch * args.seq, steps=args.steps,
-        tokens_per_s=round(tokens / elapsed), tflops_6n=round(6 * params * tokens / elapsed / 1e12, 1),
+        tokens_per_s=round(tokens / elapsed), step_s=round(elapsed / args.steps, 4), tflops_6n=round(6 * params * tokens / elapsed / 1e12, 1),
         peak_gib_steps=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         last_loss=round(last, 4), loss_finite=math.isfinite(last),
         fixes_active=setup is not None, te_modules=len(te_modules),
@@ -180,20 +191,21 @@ def run_one(args) -> dict:
 
 
 def table(rows: list[dict], skipped: dict[str, str]) -> str:
-    lines = ["| config | recipe | tokens/s | vs bf16 | TFLOP/s (6N) | peak GiB (steps) | FP8 GEMMs / TE GEMMs per step "
-             "| last loss |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | recipe | step s | tokens/s | vs bf16 | TFLOP/s (6N) | peak GiB (steps) | FP8 GEMMs / TE GEMMs "
+             "per step | weights gathered in FP8 | last loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     base = next((r["tokens_per_s"] for r in rows if r.get("config") == "bf16" and "tokens_per_s" in r), None)
     for row in rows:
         if "tokens_per_s" not in row:
-            lines.append(f"| {row['config']} | failed: {row.get('error', '?')[:120]} | | | | | | |")
+            lines.append(f"| {row['config']} | failed: {row.get('error', '?')[:120]} | | | | | | | | |")
             continue
         ratio = f"{row['tokens_per_s'] / base:.2f}x" if base else ""
         gemms = f"{row['fp8_gemms_per_step']} / {row['te_gemms_per_step']}" if row.get("te_gemms_per_step") is not None \
             else "-"
-        lines.append(f"| {row['config']} | {row.get('recipe') or '-'} | {row['tokens_per_s']:,} | {ratio} | "
-                     f"{row['tflops_6n']} | {row.get('peak_gib_steps') or '-'} | {gemms} | {row['last_loss']} |")
+        lines.append(f"| {row['config']} | {row.get('recipe') or '-'} | {row.get('step_s', '-')} | "
+                     f"{row['tokens_per_s']:,} | {ratio} | {row['tflops_6n']} | {row.get('peak_gib_steps') or '-'} | "
+                     f"{gemms} | {row.get('fp8_all_gather', 0)} | {row['last_loss']} |")
     for config, why in skipped.items():
-        lines.append(f"| {config} | not run: {why[:120]} | | | | | | |")
+        lines.append(f"| {config} | not run: {why[:120]} | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -217,7 +229,7 @@ def main() -> int:
     if args.tiny:
         args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 128, 256, 4, 512
         args.seq, args.batch, args.warmup, args.steps = 64, 2, 2, 2
-        os.environ["ACCEL_FP8_FIX_EMULATE_TE"] = "1"
+        os.environ["ACCEL_FP8_FIX_REHEARSAL"] = "1"
     if args.one:
         try:
             row = run_one(args)

@@ -3,7 +3,7 @@
 Runs a real ``Accelerator(mixed_precision="fp8", fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2,
 auto_wrap_policy="transformer_based_wrap", ...), kwargs_handlers=[TERecipeKwargs(...)])`` on 2 and 4 gloo
 processes (``accel_fp8_fix.testing.run_distributed``) with Transformer Engine's real Python on CPU (kernel shim) and the CPU
-rehearsal gates (``ACCEL_FP8_FIX_EMULATE_TE=1``); ``ACCEL_FP8_FIX=1`` is the patched run, ``ACCEL_FP8_FIX=0``
+rehearsal gates (``ACCEL_FP8_FIX_REHEARSAL=1``); ``ACCEL_FP8_FIX=1`` is the patched run, ``ACCEL_FP8_FIX=0``
 stock accelerate (converts the full-size model to TE *before* ``fully_shard``; on FSDP2 it does not crash,
 but FP8 stays off). The model is a stack of pre-norm MLP blocks (LayerNorm, Linear, GELU, Linear; dims
 multiples of 16).
@@ -38,7 +38,7 @@ import resource
 import sys
 import time
 
-ENV_COMMON = {"ACCEL_FP8_FIX_EMULATE_TE": "1", "ACCELERATE_FP8_ACCEL_FP8_FIX": "0", "OMP_NUM_THREADS": "1"}
+ENV_COMMON = {"ACCEL_FP8_FIX_REHEARSAL": "1", "ACCELERATE_FP8_ACCEL_FP8_FIX": "0", "OMP_NUM_THREADS": "1"}
 MODES = {"patched": {**ENV_COMMON, "ACCEL_FP8_FIX": "1"}, "stock": {**ENV_COMMON, "ACCEL_FP8_FIX": "0"}}
 RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
 BATCH = 16  # rows per rank per step

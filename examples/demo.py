@@ -30,8 +30,8 @@ def build_model(seed=0):
 
 
 def save_demo_checkpoint(accelerator) -> str:
-    """The demo's stand-in for a Hub checkpoint: rank 0 saves ``build_model()`` in a temporary folder (removed
-    at exit) that every rank then loads from."""
+    """The demo's stand-in for a Hub checkpoint: rank 0 saves ``build_model()`` in a temporary folder that every
+    rank then loads from; rank 0 removes it once every rank has loaded (``main``; at exit as a fallback)."""
     import atexit
     import shutil
     import tempfile
@@ -59,6 +59,22 @@ def load_model(path, accelerator):
     return model.train()  # from_pretrained returns eval mode, where TE autocast (FP8) is off
 
 
+def _wait_for_all_failed(accelerator, timeout_s=20.0):
+    """Count this rank's failure in the process group's store and wait until every rank has counted its own
+    (or ``timeout_s``): unlike a barrier, a rank that did not fail cannot make this hang."""
+    import time
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    store = dist.distributed_c10d._get_default_store()
+    store.add("demo_prepare_failed", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("demo_prepare_failed", 0) < accelerator.num_processes and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main(steps):
     # Keep the demo's output readable: torch's FSDP2 view-tensor and DTensor redistribution notices.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -78,13 +94,23 @@ def main(steps):
     if not kernels.startswith("transformer_engine"):  # the CPU rehearsal's kernel shim
         accelerator.print(f"Transformer Engine {version('transformer-engine')}: its Python on CPU, kernels from {kernels} "
                           "(FP8 numerics, no GPU speed)")
-    model = load_model(save_demo_checkpoint(accelerator), accelerator)
+    path = save_demo_checkpoint(accelerator)
+    model = load_model(path, accelerator)
+    # Every rank has loaded before rank 0 removes the checkpoint (removing it at rank 0's exit raced the other
+    # ranks' loading: FileNotFoundError tracebacks next to the stock error with DEMO_PATCHES=off).
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
         model, optimizer = accelerator.prepare(model, optimizer)
     except Exception as exc:  # what stock accelerate does (run with DEMO_PATCHES=off)
-        # Every rank says it: the first rank to exit makes the launcher stop the others, rank 0 included.
+        # Every rank says it, then waits (bounded) until every rank has said it: the first rank to exit makes the
+        # launcher stop the others, which could otherwise be stopped before they print.
         print(f"[rank {accelerator.process_index}] prepare() failed: {type(exc).__name__}: {exc}", flush=True)
+        _wait_for_all_failed(accelerator)
         raise SystemExit(1)
 
     dp_rank = mesh["dp_shard"].get_local_rank()

@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-export ACCEL_FP8_FIX_EMULATE_TE=1 OMP_NUM_THREADS=1
+export ACCEL_FP8_FIX_REHEARSAL=1 OMP_NUM_THREADS=1
 if [ "${DEMO_PATCHES:-on}" = "off" ]; then export ACCEL_FP8_FIX=0; fi
 accelerate launch --config_file examples/fsdp2_tp_fp8.yaml --main_process_port 0 examples/demo.py "${DEMO_STEPS:-8}"

@@ -333,14 +333,15 @@ def sc_checkpoint_save(rank, world_size, out_dir):
         opt.step()
         opt.zero_grad()
     acc.save_state(os.path.join(out_dir, "ckpt"))
-    full = acc.get_state_dict(model)
+    full = acc.get_state_dict(model, unwrap=False)  # everything save_state keeps, FP8 state included
+    export = acc.get_state_dict(model)  # unwrap=True: an export (save_model), without the FP8 state
     from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
 
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in full.items()}, os.path.join(out_dir, "reference.pt"))
         torch.save({k: v.detach().clone() for k, v in fp8_state_tensors(model).items()},
                    os.path.join(out_dir, "reference_fp8.pt"))
-    return {"keys": sorted(full) if rank == 0 else None}
+    return {"keys": sorted(full) if rank == 0 else None, "export_keys": sorted(export) if rank == 0 else None}
 
 
 def sc_checkpoint_load(rank, world_size, out_dir):
@@ -355,7 +356,7 @@ def sc_checkpoint_load(rank, world_size, out_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     acc.load_state(os.path.join(out_dir, "ckpt"))
-    full = acc.get_state_dict(model)  # gathered on rank 0 only
+    full = acc.get_state_dict(model, unwrap=False)  # gathered on rank 0 only
     if rank != 0:
         full = torch.load(os.path.join(out_dir, "reference.pt"), weights_only=False)
     reference = torch.load(os.path.join(out_dir, "reference.pt"), weights_only=False)

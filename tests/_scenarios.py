@@ -30,9 +30,9 @@ import traceback
 
 # -- environments -----------------------------------------------------------------------------------------
 _OFF = {"ACCELERATE_FP8_ACCEL_FP8_FIX": "0"}
-ENV_STOCK = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_EMULATE_TE": "0"}
-ENV_REHEARSAL = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_EMULATE_TE": "1"}
-ENV_FIXED = {**_OFF, "ACCEL_FP8_FIX": "1", "ACCEL_FP8_FIX_EMULATE_TE": "1"}
+ENV_STOCK = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "0"}
+ENV_REHEARSAL = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "1"}
+ENV_FIXED = {**_OFF, "ACCEL_FP8_FIX": "1", "ACCEL_FP8_FIX_REHEARSAL": "1"}
 
 DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
 
@@ -53,7 +53,7 @@ def ensure_rehearsal(on: bool = True) -> None:
 
 
 def ensure_te_on_cpu() -> None:
-    """Transformer Engine's real Python on CPU (normally installed by the bootstrap with ACCEL_FP8_FIX_EMULATE_TE=1)."""
+    """Transformer Engine's real Python on CPU (normally installed by the bootstrap with ACCEL_FP8_FIX_REHEARSAL=1)."""
     from accel_fp8_fix.rehearsal import te_on_cpu
 
     te_on_cpu.install()

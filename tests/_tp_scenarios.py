@@ -7,6 +7,7 @@ the patched accelerate with ``mixed_precision="fp8"``, and trained; facts come b
 from __future__ import annotations
 
 import os
+import warnings
 
 import _fp8_scenarios as F
 import _scenarios as S
@@ -90,7 +91,8 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
     mesh = acc.torch_device_mesh
     model = S.shard_llama_tp(S.tiny_llama(seed=0, **_sizes(intermediate)), mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    with CollectiveSpy() as prepare_spy:
+    with CollectiveSpy() as prepare_spy, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
     te_mods = {n: m for n, m in model.named_modules() if hasattr(m, "fp8_meta")}
@@ -107,6 +109,8 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
         == {id(p) for p in model.parameters()},
         "amax_group_ranks": list(setup.amax_group_ranks),
         "prepare_dtensor_collectives": len(prepare_spy.dtensor_calls),
+        "coverage_warnings": [(str(w.message), os.path.basename(w.filename)) for w in caught
+                              if "FP8 covers" in str(w.message)],
     }
     if fsdp:
         dp_rank = mesh["dp_shard"].get_local_rank()
@@ -210,3 +214,23 @@ def suite(rank, world_size, plan):
 
 def launch(plan, world_size, timeout=400.0):
     return F.launch(plan, world_size, timeout=timeout, suite_fn=suite)
+
+
+def sc_tp_heads_misfit(rank, world_size, tp=2, heads=4, kv_heads=1):
+    """KV heads (1) not divisible by tp_size (2): the error and where it surfaced ("prepare" with the fix; the
+    first forward's bare ``shape '[...]' is invalid`` without it)."""
+    import torch
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=False, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE, expect=None)
+    model = S.shard_llama_tp(S.tiny_llama(seed=0, heads=heads, kv_heads=kv_heads), acc.torch_device_mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    try:
+        model, opt = acc.prepare(model, opt)
+    except Exception as exc:  # noqa: BLE001
+        return {"where": "prepare", "error": S.err(exc)}
+    try:
+        model(**_batch()).loss.backward()
+    except Exception as exc:  # noqa: BLE001
+        return {"where": "forward", "error": S.err(exc)}
+    return {"where": None, "error": None}

@@ -63,7 +63,7 @@ def require(version: str, package: str = "accelerate") -> str:
 def probe() -> dict:
     """Import accelerate with the fix set and the rehearsal gates on; report what applied and the signatures.
 
-    Expects ``ACCEL_FP8_FIX_EMULATE_TE=1`` (the bootstrap activates the rehearsal gates) and no ``ACCEL_FP8_FIX=0``.
+    Expects ``ACCEL_FP8_FIX_REHEARSAL=1`` (the bootstrap activates the rehearsal gates) and no ``ACCEL_FP8_FIX=0``.
     """
     import accel_fp8_fix
 
@@ -103,7 +103,7 @@ def probe() -> dict:
 def run_probe(version_dir: str, timeout: float = 120) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=version_dir, ACCEL_FP8_FIX_EMULATE_TE="1")
+    env.update(PYTHONPATH=version_dir, ACCEL_FP8_FIX_REHEARSAL="1")
     proc = subprocess.run([sys.executable, str(HERE / "_versions.py"), "probe"], env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:

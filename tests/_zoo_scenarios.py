@@ -241,8 +241,21 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
         facts["checkpoint_fp8_mismatch"] = sorted(k for k, t in saved_fp8.items()
                                                   if k not in got_fp8 or not torch.equal(got_fp8[k], t))
         facts["checkpoint_fp8_compared"] = len(saved_fp8)
+        _export(acc, model, saved, f"{path}-export")
     F.reset_te_global_state()
     return facts
+
+
+def _export(acc, model, trained: dict, export_dir: str) -> None:
+    """``save_model`` as a user publishes a model (plus its config); the trained full weights beside it, for the
+    clean-process load of tests/distributed/test_model_zoo.py."""
+    import torch
+
+    acc.save_model(model, export_dir)
+    if acc.is_main_process:
+        acc.unwrap_model(model).config.save_pretrained(export_dir)
+        torch.save(trained, f"{export_dir}.trained.pt")
+    acc.wait_for_everyone()
 
 
 def sc_loaded_mesh_mismatch(rank, world_size):

@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["audit", "AuditReport", "ModuleAudit", "ParamAudit", "Coverage", "remember_setup"]
+from ..distributed.dtensor import is_dtensor
+from ..internals.transformer_engine import GEMMS_PER_MODULE
+
+__all__ = ["audit", "AuditReport", "ModuleAudit", "ParamAudit", "Coverage", "remember_setup", "warn_partial_coverage"]
 
 # Prepared models -> the accelerator's Fp8Setup (set by the patched prepare), so audit(model) needs nothing else.
 _SETUPS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
-GEMMS_PER_TE_MODULE = {"LayerNormMLP": 2}
+GEMMS_PER_TE_MODULE = GEMMS_PER_MODULE
 
 
 def remember_setup(model: nn.Module, setup) -> None:
@@ -189,14 +192,8 @@ def _type_name(module) -> str:
     return ("te." if _is_te(module) else "") + type(module).__name__
 
 
-def _is_dtensor(t) -> bool:
-    from ..distributed.collectives import is_dtensor
-
-    return is_dtensor(t)
-
-
 def _param_audit(name, p) -> ParamAudit:
-    if _is_dtensor(p):
+    if is_dtensor(p):
         mesh = p.device_mesh
         dims = tuple(mesh.mesh_dim_names or range(mesh.ndim))
         return ParamAudit(name, "DTensor", tuple(p.shape), str(p.dtype).replace("torch.", ""), dims,
@@ -232,7 +229,7 @@ def _forward_under_autocast(model) -> bool:
 def _tp_check(module, mode) -> str:
     """'' when TE's parallel_mode matches how the weight is sharded on the TP dim; else what is wrong."""
     weight = getattr(module, "weight", None)
-    if weight is None or not _is_dtensor(weight):
+    if weight is None or not is_dtensor(weight):
         return ""
     mesh = weight.device_mesh
     names = tuple(mesh.mesh_dim_names or ())
@@ -269,7 +266,7 @@ def _stray(module) -> list:
     own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
     storages = set()
     for t in own:
-        local = t.to_local() if _is_dtensor(t) else t
+        local = t.to_local() if is_dtensor(t) else t
         try:
             storages.add(local.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # meta / no storage
@@ -279,7 +276,7 @@ def _stray(module) -> list:
         if isinstance(tensor, nn.Parameter) or tensor.numel() == 0:
             continue
         try:
-            if not _is_dtensor(tensor) and tensor.untyped_storage().data_ptr() in storages:
+            if not is_dtensor(tensor) and tensor.untyped_storage().data_ptr() in storages:
                 continue  # a view of a parameter or registered buffer (TE quantizers view fp8_meta's tensors)
         except (RuntimeError, NotImplementedError):
             pass
@@ -344,8 +341,8 @@ def audit(model: nn.Module, accelerator=None) -> AuditReport:
         fp8_state = registered.get(name) or ([e[1] for e in link.entries] if link is not None else [])
         stray = _stray(module)
         state_names = set(fp8_state)
-        kinds = {_is_dtensor(t) for t in module._parameters.values() if t is not None}
-        kinds |= {_is_dtensor(t) for n, t in module._buffers.items() if t is not None and n not in state_names}
+        kinds = {is_dtensor(t) for t in module._parameters.values() if t is not None}
+        kinds |= {is_dtensor(t) for n, t in module._buffers.items() if t is not None and n not in state_names}
         gemms = _gemm_weights(module)
         if not (params or fp8_state or stray or te):
             continue
@@ -386,3 +383,42 @@ def audit(model: nn.Module, accelerator=None) -> AuditReport:
         fixes_prepared=fixes_prepared,
         mesh=(f"{tuple(mesh.mesh_dim_names or ())} {tuple(mesh.shape)}" if mesh is not None else None),
     )
+
+
+COVERAGE_WARNING = "ACCEL_FP8_FIX_COVERAGE_WARNING"
+_NAMED_IN_WARNING = 3
+
+
+def _output_layer(model: nn.Module) -> str | None:
+    """Qualified name of the model's output layer (transformers' ``get_output_embeddings()``), else None."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        layer = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a model whose accessor fails has no output layer we can name
+        return None
+    return next((name for name, module in model.named_modules() if module is layer), None) if layer is not None else None
+
+
+def warn_partial_coverage(model: nn.Module, accelerator=None) -> bool:
+    """After a prepare that turned FP8 on: one ``RuntimeWarning`` per job (the speaking rank), at the user's
+    ``prepare`` line, when GEMMs other than the model's output layer stay in high precision — the coverage figure
+    and the first kept GEMMs with their reasons. The output layer alone is by design (kept high precision, as
+    torchtitan and TE's examples do; logged, in ``audit(model)``). ``ACCEL_FP8_FIX_COVERAGE_WARNING=0`` silences
+    it. True when it warned."""
+    from .. import settings
+    from .._log import warn_user
+
+    if settings.get(COVERAGE_WARNING) is False:
+        return False
+    coverage = audit(model, accelerator).coverage
+    output = _output_layer(model)
+    kept = [(name, why) for name, why in coverage.high_precision if name != output]
+    if not kept or not coverage.fp8_params:  # nothing kept, or nothing converted (prepare warns about that)
+        return False
+    named = "; ".join(f"{name}: {why}" for name, why in kept[:_NAMED_IN_WARNING])
+    more = f"; and {len(kept) - _NAMED_IN_WARNING} more" if len(kept) > _NAMED_IN_WARNING else ""
+    warn_user(f"accel_fp8_fix: FP8 covers {coverage.fp8_param_share:.1%} of the model's GEMM parameters: {len(kept)} "
+              f"GEMM weight(s) stay in high precision{f' besides the output layer {output}' if output else ''} — "
+              f"{named}{more}. accel_fp8_fix.audit(model).coverage lists them all; "
+              f"{COVERAGE_WARNING}=0 silences this warning.")
+    return True

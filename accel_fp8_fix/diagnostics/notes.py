@@ -29,6 +29,8 @@ import sys
 import sysconfig
 from types import TracebackType
 
+from ..distributed.dtensor import is_dtensor
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["add_note", "classify", "explain", "annotate", "explain_errors", "install_forward_notes"]
@@ -119,8 +121,6 @@ def _names(model) -> tuple[dict, dict]:
 
 
 def _dtensor_in_collective(frames, tensors: dict) -> str | None:
-    from ..distributed.collectives import is_dtensor
-
     for frame in reversed(frames):  # innermost first: the c10d function's own argument
         if not frame.f_code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
             continue
@@ -143,13 +143,13 @@ def _module_in_frames(frames, modules: dict) -> tuple[str | None, object]:
     for frame in reversed(frames):
         found = [v for v in frame.f_locals.values() if isinstance(v, torch.nn.Module) and id(v) in modules]
         if found:
-            found.sort(key=lambda m: not any(_is_dt(p) for p in m._parameters.values()))
+            found.sort(key=lambda m: not any(is_dtensor(p) for p in m._parameters.values()))
             return modules[id(found[0])], found[0]
     return None, None
 
 
 def _kinds(module) -> str:
-    return ", ".join(f"{n}: " + (f"DTensor {list(t.placements)}" if _is_dt(t) else "plain")
+    return ", ".join(f"{n}: " + (f"DTensor {list(t.placements)}" if is_dtensor(t) else "plain")
                      for n, t in (*module._parameters.items(), *module._buffers.items()) if t is not None)
 
 
@@ -225,12 +225,6 @@ def explain(exc: BaseException, model=None, where: str | None = None) -> str | N
     return "\n".join(lines)
 
 
-def _is_dt(t) -> bool:
-    from ..distributed.collectives import is_dtensor
-
-    return is_dtensor(t)
-
-
 def annotate(exc: BaseException, model=None, where: str | None = None) -> bool:
     """Add the note for ``exc`` once; True if a note was added. Never raises."""
     try:
@@ -292,59 +286,25 @@ def _model_of(accelerator):
         return None
 
 
-def _noting(where):
-    def wrapper(wrapped, instance, args, kwargs):
-        try:
-            return wrapped(*args, **kwargs)
-        except Exception as exc:
-            annotate(exc, _model_of(instance) if instance is not None else None, where)
-            raise
+def _module_argument(args):
+    import torch.nn
 
-    wrapper.__name__ = wrapper.__qualname__ = where.replace(".", "_")
-    return wrapper
+    models = [a for a in args if isinstance(a, torch.nn.Module)]
+    return models[0] if len(models) == 1 else None
 
 
-# wrappers declared in patches/*.toml
-backward = _noting("Accelerator.backward")
+def on_error(exc: BaseException, where: str, instance, args) -> None:
+    """The ``on_error`` hook of patches/*.toml: the engine calls it when an exception escapes a patched target
+    declared with ``notes = "<where>"``, then re-raises the same exception. The model is the one passed
+    (``prepare``), else the accelerator's one prepared model, else (the optimizer's ``step``) the model of
+    the last accelerator the patched ``prepare`` saw."""
+    model = _module_argument(args)
+    if model is None:
+        model = _model_of(instance) if hasattr(instance, "_models") else _AcceleratorModels.model()
+    annotate(exc, model, where)
 
 
-def clip_grad_norm_(wrapped, instance, args, kwargs):
-    from ..fixes.grad_norm import clip_grad_norm_ as fix
-
-    try:
-        return fix(wrapped, instance, args, kwargs)
-    except Exception as exc:
-        annotate(exc, _model_of(instance) if instance is not None else None, "Accelerator.clip_grad_norm_")
-        raise
-
-
-def optimizer_step(wrapped, instance, args, kwargs):
-    """``AcceleratedOptimizer.step``: the model is the accelerator's, reached through the state it shares."""
-    try:
-        return wrapped(*args, **kwargs)
-    except Exception as exc:
-        annotate(exc, _AcceleratorModels.model(), "optimizer.step")
-        raise
-
-
-def save_state(wrapped, instance, args, kwargs):
-    from ..fixes.checkpoint import save_state as fix
-
-    try:
-        return fix(wrapped, instance, args, kwargs)
-    except Exception as exc:
-        annotate(exc, _model_of(instance), "Accelerator.save_state")
-        raise
-
-
-def load_state(wrapped, instance, args, kwargs):
-    from ..fixes.checkpoint import load_state as fix
-
-    try:
-        return fix(wrapped, instance, args, kwargs)
-    except Exception as exc:
-        annotate(exc, _model_of(instance), "Accelerator.load_state")
-        raise
+DIAGNOSED = "_accel_fp8_fix_diagnosed"
 
 
 class _AcceleratorModels:
@@ -358,19 +318,24 @@ class _AcceleratorModels:
         return _model_of(acc) if acc is not None else None
 
 
-def after_prepare(accelerator, model, setup) -> None:
-    """Called by the patched prepare: remember the setup for audit(model), install forward notes, print the
-    audit when ``ACCEL_FP8_FIX_AUDIT=1``."""
+def after_prepare(accelerator, args, kwargs, result) -> None:
+    """The ``on_return`` hook of ``Accelerator.prepare`` (patches/*.toml): when this call converted a model
+    (``accelerator.accel_fp8_fix.model``), remember the setup for audit(model), install forward notes, warn
+    when part of the model stays in high precision, and print the audit when ``ACCEL_FP8_FIX_AUDIT=1``."""
     import weakref
 
-    from .audit import remember_setup
+    from .audit import remember_setup, warn_partial_coverage
 
+    setup = getattr(accelerator, "accel_fp8_fix", None)
+    model = getattr(setup, "model", None)
+    if model is None or getattr(setup, DIAGNOSED, False):
+        return  # no prepare of this accelerator converted a model, or its setup was seen by an earlier call
+    setattr(setup, DIAGNOSED, True)  # the model may not be in `result`: Trainer's optimizer-only prepare (A22)
     _AcceleratorModels.last = weakref.ref(accelerator)
-    if model is None:
-        return
-    if setup is not None:
-        remember_setup(model, setup)
+    remember_setup(model, setup)
     install_forward_notes(model)
+    if getattr(setup, "fp8_enabled", False):
+        warn_partial_coverage(model, accelerator)
     from .._api import env_flag
 
     if env_flag("ACCEL_FP8_FIX_AUDIT"):

@@ -27,7 +27,9 @@ def check_patch_set_agreement(chosen: str | None, timeout: float = 30.0) -> None
     if world == 1:
         return
     rank = dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
+    from ..internals.torch_internals import default_store
+
+    store = default_store()
     prefix = f"accel_fp8_fix/patch_set/{next(_round)}"
     store.set(f"{prefix}/{rank}", chosen or "none")
     keys = [f"{prefix}/{r}" for r in range(world)]

@@ -1,14 +1,24 @@
-"""Collectives that never hand a DTensor to c10d and always name their process group.
+"""One family of collectives that never hands a DTensor to c10d and always names its process group.
 
 ``torch.distributed.broadcast(dtensor, ...)`` goes through DTensor dispatch for ``c10d.broadcast_.default``
 and fails (torch 2.13: "does not have a sharding strategy registered"; older torch: "found no DeviceMesh
-from dtensor args"); ``dist.scatter`` with DTensors is not even checked. The helpers here take a plain
-tensor or a DTensor, move only the *local* tensor through c10d, on a group named explicitly (``group=``,
-``mesh=``/``dims=``, or the DTensor's own mesh), and refuse what would be wrong silently:
+from dtensor args"); ``dist.scatter`` with DTensors is not even checked. One private core, :func:`_resolve`,
+turns (tensor, mesh, dims, group, name, op) into (the local tensor, the process group); the public names are
+thin wrappers around it, each taking the mesh (and dims) or the group explicitly::
+
+    broadcast(t, mesh=None, dims=None, *, src=None, group_src=None, group=None, name=None)
+    all_reduce(t, mesh=None, dims=None, *, op=SUM, group=None, name=None)
+    all_gather(t, mesh=None, dims=None, *, group=None, name=None)
+    broadcast_variable(t, mesh=None, dims=None, *, src=None, group_src=None, group=None, name=None, device=None)
+    broadcast_object(obj, mesh=None, dims=None, *, src=None, group_src=None, group=None, name=None, device=None)
+    all_gather_object(obj, mesh=None, dims=None, *, group=None, name=None)
+
+They refuse what would be wrong silently:
 
 * a DTensor broadcast / all-reduced over a mesh dim it is sharded (or partial) on: a shard is not a replica;
-* a plain tensor with no group at all (nothing defaults to WORLD: pass ``group=dist.group.WORLD``);
-* ``src`` (always a GLOBAL rank) outside the group, or the calling rank outside the group.
+* a plain tensor (or object) with no group at all (nothing defaults to WORLD: pass ``group=dist.group.WORLD``);
+* ``src`` (always a GLOBAL rank; ``group_src`` is the group's rank) outside the group, or the calling rank
+  outside the group.
 
 Errors name the tensor (``name=``). :func:`group_of` turns a mesh (or some of its dims) into one
 ProcessGroup: it must be called on every rank of the default group, in the same order (it may create
@@ -24,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .dtensor import is_dtensor
+
 __all__ = [
     "CollectiveError",
     "group_of",
@@ -31,14 +43,10 @@ __all__ = [
     "to_group_rank",
     "to_global_rank",
     "mesh_dims",
-    "is_dtensor",
     "broadcast",
     "all_reduce",
     "all_gather",
-    "broadcast_",
-    "all_reduce_",
     "broadcast_variable",
-    "broadcast_variable_",
     "broadcast_object",
     "all_gather_object",
     "clear_group_cache",
@@ -50,14 +58,6 @@ class CollectiveError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ basics
-def is_dtensor(obj: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(obj, DTensor)
-
-
 def _label(name: str | None, tensor: Any = None) -> str:
     if name:
         return repr(name)
@@ -176,250 +176,31 @@ def group_of(mesh, dims=None):
     return mine
 
 
-# ------------------------------------------------------------------------------------------------ resolution
+# ------------------------------------------------------------------------------------------------ the core
+# Semantics per placement, for a DTensor (``mesh`` defaults to its own mesh):
+#   * broadcast / all_reduce act along its *replicated* mesh dims only (``dims=None``): the ranks holding the
+#     same shard agree (broadcast) or combine their copies (all_reduce). Naming a dim the DTensor is sharded
+#     (or partial) on, or a ``group=`` spanning one, is refused: a shard is not a replica. A DTensor
+#     replicated on no dim: nothing to do.
+#   * all_gather returns the full tensor (``dims=None``) or the tensor made Replicate on ``dims`` only, as a
+#     plain local tensor, through DTensor's own redistribution on its mesh.
+# For a plain tensor (or an object) the caller names where it lives: ``mesh`` (and ``dims``, default all) or
+# ``group``. A plain tensor is never promoted to a DTensor on the caller's behalf: promotion
+# (``DTensor.from_local(t, mesh, [Replicate()])``) asserts that every rank holds the same value, which is false
+# for a shard, a per-rank gradient or an amax, and the result would be silently wrong instead of an error.
+_TENSOR, _VARIABLE, _OBJECT = "tensor", "variable", "object"  # what _resolve is asked to move
+_NO_DTENSOR = {
+    _VARIABLE: "DTensors have a fixed global shape; use broadcast",
+    _OBJECT: "pickling one would ship a shard and its mesh; use broadcast on a replica",
+}
+
+
 def _placement_kind(placement) -> str:
     if placement.is_replicate():
         return "replicate"
     if placement.is_partial():
         return "partial"
     return "shard"  # Shard, _StridedShard and anything else that is not a replica
-
-
-def _resolve(tensor, *, mesh, dims, group, name, op: str):
-    """(local plain tensor, process group) for ``tensor``; refuses what would be wrong."""
-    label = _label(name, tensor)
-    if not (dist.is_available() and dist.is_initialized()):
-        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: no default process group is initialised")
-    if group is not None and mesh is not None:
-        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: pass either group= or mesh=/dims=, not both")
-    if dims is not None and mesh is None and not is_dtensor(tensor):
-        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: dims= needs mesh= (or a DTensor)")
-    if is_dtensor(tensor):
-        dt_mesh = getattr(tensor, "device_mesh", None)
-        placements = tuple(getattr(tensor, "placements", ()))
-        if group is None:
-            use_mesh = mesh if mesh is not None else dt_mesh
-            if use_mesh is None:
-                raise CollectiveError(
-                    f"accel_fp8_fix: {op} of DTensor {label}: it has no usable device mesh and no group= was given"
-                )
-            group = group_of(use_mesh, dims)
-        local = tensor.to_local()
-        # Which of the DTensor's mesh dims does the group span? Any non-replicated one is refused.
-        if dt_mesh is None or dt_mesh.get_coordinate() is None:
-            raise CollectiveError(
-                f"accel_fp8_fix: {op} of DTensor {label}: rank {dist.get_rank()} is not part of its mesh "
-                f"{dt_mesh}; no usable mesh"
-            )
-        members = set(group_ranks(group))
-        layout = dt_mesh.mesh
-        for d, placement in enumerate(placements):
-            kind = _placement_kind(placement)
-            if kind == "replicate":
-                continue
-            coords = set()
-            for r in members:
-                hit = (layout == r).nonzero()
-                if hit.numel():
-                    coords.add(int(hit[0][d]))
-            if len(coords) > 1:
-                dim_name = (dt_mesh.mesh_dim_names or [None] * dt_mesh.ndim)[d]
-                raise CollectiveError(
-                    f"accel_fp8_fix: refusing to {op} DTensor {label} over ranks {sorted(members)}: it is "
-                    f"{placement} on mesh dim {dim_name or d} and that group spans that dim; a "
-                    f"{'shard' if kind == 'shard' else 'partial value'} is not a replica. Use a group orthogonal "
-                    "to the sharding (dims= the replicated dims), or gather it first (full_tensor())."
-                )
-    elif isinstance(tensor, torch.Tensor):
-        local = tensor
-        if group is None:
-            if mesh is None:
-                raise CollectiveError(
-                    f"accel_fp8_fix: {op} of {label}: a plain tensor needs group= or mesh= (nothing defaults to "
-                    "WORLD; pass group=torch.distributed.group.WORLD to mean it)"
-                )
-            group = group_of(mesh, dims)
-    else:
-        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: expected a tensor, got {type(tensor).__name__}")
-    if local.device.type == "meta":
-        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: the tensor is on the meta device (no data)")
-    me = dist.get_rank()
-    if me not in group_ranks(group):
-        raise CollectiveError(
-            f"accel_fp8_fix: {op} of {label}: calling rank {me} is not in the group {list(group_ranks(group))}"
-        )
-    return local, group
-
-
-def _src_in_group(group, src: int, label: str, op: str) -> int:
-    ranks = group_ranks(group)
-    if src not in ranks:
-        raise CollectiveError(
-            f"accel_fp8_fix: {op} of {label}: src={src} (a global rank) is not in the group {list(ranks)}"
-        )
-    return dist.get_group_rank(group, src)
-
-
-def _broadcast_plain(local: torch.Tensor, group, group_src: int) -> None:
-    if local.is_contiguous():
-        dist.broadcast(local, group=group, group_src=group_src)
-    else:  # gloo / nccl want contiguous buffers; copy back into the strided view afterwards
-        buf = local.contiguous()
-        dist.broadcast(buf, group=group, group_src=group_src)
-        local.copy_(buf)
-
-
-# ------------------------------------------------------------------------------------------------ public
-def broadcast_(tensor, *, src: int = 0, mesh=None, dims=None, group=None, name: str | None = None):
-    """In-place broadcast of ``tensor`` (plain or DTensor: its local tensor) from GLOBAL rank ``src``.
-
-    Group: ``group``, else ``group_of(mesh, dims)``, else (DTensor) ``group_of(tensor.device_mesh, dims)``.
-    Every rank passes a tensor of the same shape and dtype. Returns ``tensor``.
-    """
-    local, group = _resolve(tensor, mesh=mesh, dims=dims, group=group, name=name, op="broadcast")
-    label = _label(name, tensor)
-    group_src = _src_in_group(group, src, label, "broadcast")
-    with torch.no_grad():
-        _broadcast_plain(local, group, group_src)
-    return tensor
-
-
-def _all_reduce_local(local: torch.Tensor, op, group) -> None:
-    """All-reduce a plain (local) tensor in place on ``group``, through a contiguous buffer if need be."""
-    with torch.no_grad():
-        if local.is_contiguous():
-            dist.all_reduce(local, op=op, group=group)
-        else:
-            buf = local.contiguous()
-            dist.all_reduce(buf, op=op, group=group)
-            local.copy_(buf)
-
-
-def all_reduce_(tensor, op=None, *, mesh=None, dims=None, group=None, name: str | None = None):
-    """In-place all-reduce (default SUM) of ``tensor`` (plain, or a DTensor's local tensor over replicated dims)."""
-    op = dist.ReduceOp.SUM if op is None else op
-    local, group = _resolve(tensor, mesh=mesh, dims=dims, group=group, name=name, op="all_reduce")
-    _all_reduce_local(local, op, group)
-    return tensor
-
-
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-                                   "float8_e8m0fnu", "uint16", "uint32", "uint64") if hasattr(torch, n)),
-)
-_HEADER = 16  # [ndim, dtype index, shape...]
-
-
-def broadcast_variable(
-    tensor, *, src: int = 0, mesh=None, dims=None, group=None, name: str | None = None, device=None
-) -> torch.Tensor:
-    """Broadcast a plain tensor whose shape / dtype only ``src`` knows (e.g. TE ``_extra_state`` bytes).
-
-    A fixed-size int64 header ``[ndim, dtype, *shape]`` goes first, then the payload (skipped when
-    empty). On ``src`` ``tensor`` is the payload; elsewhere it may be None or any tensor (its device is
-    used unless ``device=``). Returns the received tensor (``tensor`` itself, contiguous, on ``src``).
-    """
-    label = _label(name, tensor)
-    if is_dtensor(tensor):
-        raise CollectiveError(
-            f"accel_fp8_fix: broadcast_variable of {label}: DTensors have a fixed global shape; use broadcast_"
-        )
-    if group is None:
-        if mesh is None:
-            raise CollectiveError(
-                f"accel_fp8_fix: broadcast_variable of {label}: needs group= or mesh= (nothing defaults to WORLD)"
-            )
-        group = group_of(mesh, dims)
-    me = dist.get_rank()
-    if me not in group_ranks(group):
-        raise CollectiveError(f"accel_fp8_fix: broadcast_variable of {label}: rank {me} is not in the group")
-    group_src = _src_in_group(group, src, label, "broadcast_variable")
-    if device is None:
-        device = tensor.device if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" else "cpu"
-    device = torch.device(device)
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-    if me == src:
-        if not isinstance(tensor, torch.Tensor):
-            raise CollectiveError(f"accel_fp8_fix: broadcast_variable of {label}: src has no tensor to send")
-        if tensor.device.type == "meta":
-            raise CollectiveError(f"accel_fp8_fix: broadcast_variable of {label}: src tensor is on meta")
-        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
-            raise CollectiveError(
-                f"accel_fp8_fix: broadcast_variable of {label}: unsupported {tensor.dim()}-d {tensor.dtype} tensor"
-            )
-        header[0] = tensor.dim()
-        header[1] = _DTYPES.index(tensor.dtype)
-        if tensor.dim():
-            header[2 : 2 + tensor.dim()] = torch.tensor(tuple(tensor.shape), dtype=torch.int64)
-    with torch.no_grad():
-        dist.broadcast(header, group=group, group_src=group_src)
-        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-        shape = tuple(int(s) for s in header[2 : 2 + ndim])
-        if me == src:
-            out = tensor.detach().to(device).contiguous()
-        else:
-            out = torch.empty(shape, dtype=dtype, device=device)
-        if out.numel():
-            dist.broadcast(out, group=group, group_src=group_src)
-    return out
-
-
-broadcast_variable_ = broadcast_variable  # the name used in design notes; it returns the received tensor
-
-
-def _object_group(mesh, dims, group, label, op):
-    if group is None:
-        if mesh is None:
-            raise CollectiveError(f"accel_fp8_fix: {op} of {label}: needs group= or mesh= (nothing defaults to WORLD)")
-        group = group_of(mesh, dims)
-    return group
-
-
-def broadcast_object(obj: Any, *, src: int = 0, mesh=None, dims=None, group=None, name: str | None = None,
-                     device=None) -> Any:
-    """Broadcast a picklable object from GLOBAL rank ``src``; returns it on every rank.
-
-    DTensors are refused (pickling one would ship a shard plus its mesh). ``io.BytesIO`` travels as bytes.
-    """
-    label = _label(name, obj)
-    if is_dtensor(obj):
-        raise CollectiveError(f"accel_fp8_fix: broadcast_object of DTensor {label}: use broadcast_ on a replica")
-    group = _object_group(mesh, dims, group, label, "broadcast_object")
-    group_src = _src_in_group(group, src, label, "broadcast_object")
-    payload = [obj.getvalue() if isinstance(obj, io.BytesIO) else obj, isinstance(obj, io.BytesIO)]
-    if dist.get_rank() != src:
-        payload = [None, None]
-    dist.broadcast_object_list(payload, group=group, group_src=group_src, device=device)
-    value, was_bytesio = payload
-    return io.BytesIO(value) if was_bytesio else value
-
-
-def all_gather_object(obj: Any, *, mesh=None, dims=None, group=None, name: str | None = None) -> list:
-    """Every rank's ``obj`` in group-rank order (explicit group, as everywhere here)."""
-    label = _label(name, obj)
-    group = _object_group(mesh, dims, group, label, "all_gather_object")
-    out = [None] * len(group_ranks(group))
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-
-# ------------------------------------------------------------------------------------------------ public API
-# broadcast / all_reduce / all_gather for users' own hooks and callbacks (docs/troubleshooting.md). They take a
-# plain tensor or a DTensor plus a DeviceMesh (or some of its dims) and never hand a DTensor to c10d.
-#
-# Semantics per placement, for a DTensor (``mesh`` defaults to its own mesh):
-#   * broadcast / all_reduce act along its *replicated* mesh dims only (``dims=None``): the ranks holding the
-#     same shard agree (broadcast) or combine their copies (all_reduce). Naming a dim the DTensor is sharded
-#     (or partial) on is refused: a shard is not a replica. A DTensor replicated on no dim: nothing to do.
-#   * all_gather returns the full tensor (``dims=None``) or the tensor made Replicate on ``dims`` only, as a
-#     plain local tensor, through DTensor's own redistribution on its mesh.
-# For a plain tensor the caller names where it lives: ``mesh`` (and ``dims``, default all) or ``group``. A plain
-# tensor is never promoted to a DTensor on the caller's behalf: promotion (``DTensor.from_local(t, mesh,
-# [Replicate()])``) asserts that every rank holds the same value, which is false for a shard, a per-rank
-# gradient or an amax, and the result would be silently wrong instead of an error.
 
 
 def _dtensor_dims(tensor, mesh, dims, op: str, label: str):
@@ -439,7 +220,101 @@ def _dtensor_dims(tensor, mesh, dims, op: str, label: str):
     return dt_mesh, mesh_dims(dt_mesh, dims)
 
 
+def _refuse_sharded_span(tensor, group, label: str, op: str) -> None:
+    """Refuse a DTensor whose non-replicated mesh dims ``group`` spans (or whose mesh excludes this rank)."""
+    dt_mesh = getattr(tensor, "device_mesh", None)
+    if dt_mesh is None or dt_mesh.get_coordinate() is None:
+        raise CollectiveError(
+            f"accel_fp8_fix: {op} of DTensor {label}: rank {dist.get_rank()} is not part of its mesh "
+            f"{dt_mesh}; no usable mesh"
+        )
+    members = set(group_ranks(group))
+    layout = dt_mesh.mesh
+    for d, placement in enumerate(tuple(getattr(tensor, "placements", ()))):
+        kind = _placement_kind(placement)
+        if kind == "replicate":
+            continue
+        coords = set()
+        for r in members:
+            hit = (layout == r).nonzero()
+            if hit.numel():
+                coords.add(int(hit[0][d]))
+        if len(coords) > 1:
+            dim_name = (dt_mesh.mesh_dim_names or [None] * dt_mesh.ndim)[d]
+            raise CollectiveError(
+                f"accel_fp8_fix: refusing to {op} DTensor {label} over ranks {sorted(members)}: it is "
+                f"{placement} on mesh dim {dim_name or d} and that group spans that dim; a "
+                f"{'shard' if kind == 'shard' else 'partial value'} is not a replica. Use a group orthogonal "
+                "to the sharding (dims= the replicated dims), or gather it first (full_tensor())."
+            )
+
+
+def _refuse_arguments(value, mesh, dims, group, label: str, op: str, payload: str) -> None:
+    """What is wrong with the arguments alone (checked before the process group is looked at)."""
+    if is_dtensor(value) and payload != _TENSOR:
+        raise CollectiveError(f"accel_fp8_fix: {op} of DTensor {label}: {_NO_DTENSOR[payload]}")
+    if group is not None and (mesh is not None or dims is not None):
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: pass either group= or mesh=/dims=, not both")
+    if is_dtensor(value):
+        return
+    if payload == _TENSOR and not isinstance(value, torch.Tensor):
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: expected a tensor, got {type(value).__name__}")
+    if group is None and mesh is None:
+        what = "a plain tensor" if isinstance(value, torch.Tensor) else "it"
+        raise CollectiveError(
+            f"accel_fp8_fix: {op} of {label}: {what} needs the mesh (and dims) or group= it is moved over "
+            "(nothing defaults to WORLD; pass group=torch.distributed.group.WORLD to mean it)."
+            + (" It is not promoted to a DTensor: that would assume it is replicated, which is wrong for a shard"
+               if payload == _TENSOR else "")
+        )
+    if dims is not None and mesh is None:
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: dims= needs mesh= (or a DTensor)")
+
+
+def _resolve(value, mesh, dims, group, name: str | None, op: str, payload: str = _TENSOR):
+    """THE resolution of every collective here: (what moves through c10d, its process group).
+
+    ``payload``: ``"tensor"`` (a plain tensor, or a DTensor whose local tensor moves), ``"variable"`` (a plain
+    tensor or None: only src knows the shape), ``"object"`` (anything picklable but a DTensor). The group is
+    ``group``, else ``group_of(mesh, dims)``, else (DTensor) its own mesh over ``dims`` or, ``dims=None``, its
+    replicated dims; ``(local, None)`` when such a DTensor is replicated on no dim (nothing to do).
+    """
+    label = _label(name, value)
+    _refuse_arguments(value, mesh, dims, group, label, op, payload)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: no default process group is initialised")
+    if is_dtensor(value):
+        local = value.to_local()
+        if group is None:
+            dt_mesh, idx = _dtensor_dims(value, mesh, dims, op, label)
+            if not idx:
+                return local, None  # replicated on no mesh dim: every rank holds a distinct shard
+            group = group_of(dt_mesh, idx)
+        _refuse_sharded_span(value, group, label, op)
+    else:
+        local = value
+        group = group if group is not None else group_of(mesh, dims)
+    if payload == _TENSOR and local.device.type == "meta":
+        raise CollectiveError(f"accel_fp8_fix: {op} of {label}: the tensor is on the meta device (no data)")
+    me = dist.get_rank()
+    if me not in group_ranks(group):
+        raise CollectiveError(
+            f"accel_fp8_fix: {op} of {label}: calling rank {me} is not in the group {list(group_ranks(group))}"
+        )
+    return local, group
+
+
+def _src_in_group(group, src: int, label: str, op: str) -> int:
+    ranks = group_ranks(group)
+    if src not in ranks:
+        raise CollectiveError(
+            f"accel_fp8_fix: {op} of {label}: src={src} (a global rank) is not in the group {list(ranks)}"
+        )
+    return dist.get_group_rank(group, src)
+
+
 def _group_src(group, src, group_src, label, op) -> int:
+    """The root as ``group``'s rank: ``src`` (a GLOBAL rank, checked in the group) or ``group_src`` (default 0)."""
     if src is not None and group_src is not None:
         raise CollectiveError(f"accel_fp8_fix: {op} of {label}: pass src= (a global rank) or group_src=, not both")
     if src is not None:
@@ -451,31 +326,36 @@ def _group_src(group, src, group_src, label, op) -> int:
     return group_src
 
 
-def _plan(tensor, mesh, dims, group, name, op):
-    """(local tensor, group or None when there is nothing to do) for the public collectives."""
-    label = _label(name, tensor)
-    if is_dtensor(tensor) and group is None:
-        dt_mesh, idx = _dtensor_dims(tensor, mesh, dims, op, label)
-        if not idx:
-            return tensor.to_local(), None  # replicated on no mesh dim: every rank holds a distinct shard
-        return _resolve(tensor, mesh=dt_mesh, dims=idx, group=None, name=name, op=op)
-    if not is_dtensor(tensor) and isinstance(tensor, torch.Tensor) and group is None and mesh is None:
-        raise CollectiveError(
-            f"accel_fp8_fix: {op} of {label}: a plain tensor needs the mesh (and dims) or group it is {op}ed over. "
-            "It is not promoted to a DTensor: that would assume it is replicated, which is wrong for a shard"
-        )
-    return _resolve(tensor, mesh=mesh, dims=dims, group=group, name=name, op=op)
+def _broadcast_plain(local: torch.Tensor, group, group_src: int) -> None:
+    if local.is_contiguous():
+        dist.broadcast(local, group=group, group_src=group_src)
+    else:  # gloo / nccl want contiguous buffers; copy back into the strided view afterwards
+        buf = local.contiguous()
+        dist.broadcast(buf, group=group, group_src=group_src)
+        local.copy_(buf)
 
 
+def _all_reduce_local(local: torch.Tensor, op, group) -> None:
+    """All-reduce a plain (local) tensor in place on ``group``, through a contiguous buffer if need be."""
+    if local.is_contiguous():
+        dist.all_reduce(local, op=op, group=group)
+    else:
+        buf = local.contiguous()
+        dist.all_reduce(buf, op=op, group=group)
+        local.copy_(buf)
+
+
+# ------------------------------------------------------------------------------------------------ public
 def broadcast(tensor, mesh=None, dims=None, *, src: int | None = None, group_src: int | None = None, group=None,
               name: str | None = None):
     """Broadcast ``tensor`` in place and return it.
 
     DTensor: along its replicated mesh dims (or ``dims``, which must be replicated), its local tensor, from
-    the first rank of each group (``group_src``, default 0, or ``src`` = a GLOBAL rank). Plain tensor: over
-    ``mesh`` (``dims`` default all) or ``group``. Every rank of the group calls it with the same shape.
+    the first rank of each group (``group_src``, default 0, or ``src`` = a GLOBAL rank); ``group=`` must not
+    span a sharded dim. Plain tensor: over ``mesh`` (``dims`` default all) or ``group``. Every rank of the
+    group calls it with the same shape and dtype.
     """
-    local, group = _plan(tensor, mesh, dims, group, name, "broadcast")
+    local, group = _resolve(tensor, mesh, dims, group, name, "broadcast")
     if group is None:
         return tensor
     root = _group_src(group, src, group_src, _label(name, tensor), "broadcast")
@@ -491,12 +371,27 @@ def all_reduce(tensor, mesh=None, dims=None, *, op=None, group=None, name: str |
     replicas combine their values, shards are never summed into each other. Plain tensor: over ``mesh``
     (``dims`` default all) or ``group``.
     """
-    local, group = _plan(tensor, mesh, dims, group, name, "all_reduce")
+    local, group = _resolve(tensor, mesh, dims, group, name, "all_reduce")
     if group is None:
         return tensor
-    op = dist.ReduceOp.SUM if op is None else op
-    _all_reduce_local(local, op, group)
+    with torch.no_grad():
+        _all_reduce_local(local, dist.ReduceOp.SUM if op is None else op, group)
     return tensor
+
+
+def _gather_dtensor(tensor, mesh, dims, label: str) -> torch.Tensor:
+    from torch.distributed.tensor import Replicate
+
+    dt_mesh = tensor.device_mesh
+    if mesh is not None and mesh != dt_mesh:
+        dt_mesh, idx = _dtensor_dims(tensor, mesh, None, "all_gather", label)
+    else:
+        idx = tuple(range(dt_mesh.ndim)) if dims is None else mesh_dims(dt_mesh, dims)
+    if dt_mesh.get_coordinate() is None:
+        raise CollectiveError(f"accel_fp8_fix: all_gather of DTensor {label}: rank {dist.get_rank()} is not in its mesh")
+    placements = [Replicate() if d in idx else p for d, p in enumerate(tensor.placements)]
+    with torch.no_grad():
+        return tensor.detach().redistribute(dt_mesh, placements).to_local()
 
 
 def all_gather(tensor, mesh=None, dims=None, *, group=None, name: str | None = None) -> torch.Tensor:
@@ -509,27 +404,95 @@ def all_gather(tensor, mesh=None, dims=None, *, group=None, name: str | None = N
     ``(group size, *tensor.shape)``; all ranks pass the same shape.
     """
     label = _label(name, tensor)
-    if is_dtensor(tensor) and group is None:
-        from torch.distributed.tensor import Replicate
-
-        dt_mesh = tensor.device_mesh
-        if mesh is not None and mesh != dt_mesh:
-            dt_mesh, idx = _dtensor_dims(tensor, mesh, None, "all_gather", label)
-        else:
-            idx = tuple(range(dt_mesh.ndim)) if dims is None else mesh_dims(dt_mesh, dims)
-        if dt_mesh.get_coordinate() is None:
-            raise CollectiveError(f"accel_fp8_fix: all_gather of DTensor {label}: rank {dist.get_rank()} is not in its mesh")
-        placements = [Replicate() if d in idx else p for d, p in enumerate(tensor.placements)]
-        with torch.no_grad():
-            return tensor.detach().redistribute(dt_mesh, placements).to_local()
     if is_dtensor(tensor):
-        raise CollectiveError(
-            f"accel_fp8_fix: all_gather of DTensor {label}: group= is for plain tensors; a DTensor is gathered on "
-            "its own mesh (dims=)"
-        )
-    local, group = _plan(tensor, mesh, dims, group, name, "all_gather")
-    size = len(group_ranks(group))
-    out = torch.empty((size, *local.shape), dtype=local.dtype, device=local.device)
+        if group is not None:
+            raise CollectiveError(
+                f"accel_fp8_fix: all_gather of DTensor {label}: group= is for plain tensors; a DTensor is gathered "
+                "on its own mesh (dims=)"
+            )
+        return _gather_dtensor(tensor, mesh, dims, label)
+    local, group = _resolve(tensor, mesh, dims, group, name, "all_gather")
+    out = torch.empty((len(group_ranks(group)), *local.shape), dtype=local.dtype, device=local.device)
     with torch.no_grad():
         dist.all_gather(list(out.unbind(0)), local.contiguous(), group=group)
+    return out
+
+
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                   "float8_e8m0fnu", "uint16", "uint32", "uint64") if hasattr(torch, n)),
+)
+_HEADER = 16  # [ndim, dtype index, shape...]
+
+
+def _variable_header(tensor, label: str, device) -> torch.Tensor:
+    """The int64 header ``[ndim, dtype index, *shape]`` src sends first."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CollectiveError(f"accel_fp8_fix: broadcast_variable of {label}: src has no tensor to send")
+    if tensor.device.type == "meta":
+        raise CollectiveError(f"accel_fp8_fix: broadcast_variable of {label}: src tensor is on meta")
+    if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+        raise CollectiveError(
+            f"accel_fp8_fix: broadcast_variable of {label}: unsupported {tensor.dim()}-d {tensor.dtype} tensor"
+        )
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    header[0] = tensor.dim()
+    header[1] = _DTYPES.index(tensor.dtype)
+    if tensor.dim():
+        header[2 : 2 + tensor.dim()] = torch.tensor(tuple(tensor.shape), dtype=torch.int64)
+    return header
+
+
+def broadcast_variable(tensor, mesh=None, dims=None, *, src: int | None = None, group_src: int | None = None,
+                       group=None, name: str | None = None, device=None) -> torch.Tensor:
+    """Broadcast a plain tensor whose shape / dtype only the root knows (e.g. TE ``_extra_state`` bytes).
+
+    Root: ``src`` (a GLOBAL rank) or ``group_src`` (default 0), as for :func:`broadcast`. A fixed-size int64
+    header ``[ndim, dtype, *shape]`` goes first, then the payload (skipped when empty). On the root ``tensor``
+    is the payload; elsewhere it may be None or any tensor (its device is used unless ``device=``). Returns the
+    received tensor (``tensor`` itself, contiguous, on the root).
+    """
+    label = _label(name, tensor)
+    _, group = _resolve(tensor, mesh, dims, group, name, "broadcast_variable", _VARIABLE)
+    root = _group_src(group, src, group_src, label, "broadcast_variable")
+    if device is None:
+        device = tensor.device if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta" else "cpu"
+    device = torch.device(device)
+    is_root = dist.get_rank() == dist.get_global_rank(group, root)
+    header = _variable_header(tensor, label, device) if is_root else torch.zeros(_HEADER, dtype=torch.int64,
+                                                                                device=device)
+    with torch.no_grad():
+        dist.broadcast(header, group=group, group_src=root)
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        shape = tuple(int(s) for s in header[2 : 2 + ndim])
+        out = tensor.detach().to(device).contiguous() if is_root else torch.empty(shape, dtype=dtype, device=device)
+        if out.numel():
+            dist.broadcast(out, group=group, group_src=root)
+    return out
+
+
+def broadcast_object(obj: Any, mesh=None, dims=None, *, src: int | None = None, group_src: int | None = None,
+                     group=None, name: str | None = None, device=None) -> Any:
+    """Broadcast a picklable object from the root (``src`` GLOBAL rank or ``group_src``, default 0); returns it.
+
+    DTensors are refused (pickling one would ship a shard plus its mesh). ``io.BytesIO`` travels as bytes.
+    """
+    label = _label(name, obj)
+    _, group = _resolve(obj, mesh, dims, group, name, "broadcast_object", _OBJECT)
+    root = _group_src(group, src, group_src, label, "broadcast_object")
+    payload = [obj.getvalue() if isinstance(obj, io.BytesIO) else obj, isinstance(obj, io.BytesIO)]
+    if dist.get_rank() != dist.get_global_rank(group, root):
+        payload = [None, None]
+    dist.broadcast_object_list(payload, group=group, group_src=root, device=device)
+    value, was_bytesio = payload
+    return io.BytesIO(value) if was_bytesio else value
+
+
+def all_gather_object(obj: Any, mesh=None, dims=None, *, group=None, name: str | None = None) -> list:
+    """Every rank's ``obj`` (not a DTensor) over ``mesh``/``dims`` or ``group``, in group-rank order."""
+    _, group = _resolve(obj, mesh, dims, group, name, "all_gather_object", _OBJECT)
+    out = [None] * len(group_ranks(group))
+    dist.all_gather_object(out, obj, group=group)
     return out

@@ -9,10 +9,16 @@ One file declares one patch set, pinned to one version window::
     accelerate = ">=1.13,<1.16"
     [compatible]                      # checked only when installed
     transformer-engine = ">=1.12"
+    on_error = "accel_fp8_fix.diagnostics.notes:on_error"  # (exc, where, instance, args) for patches with notes
     [[patch]]
     target = "accelerate.accelerator:Accelerator.prepare"   # module:attribute.path
     wrapper = "accel_fp8_fix.fixes.prepare:prepare"          # a wrapt wrapper (wrapped, instance, args, kwargs)
-    signature = "(self, *args, device_placement=None)"      # optional: refuse to patch if it changed
+                                                            # in fixes/; optional when `notes` is set
+    notes = "Accelerator.prepare"                           # optional: an escaping exception goes through the
+                                                            # set's on_error hook (labelled so), then re-raised
+    on_return = "accel_fp8_fix.diagnostics.notes:after_prepare"  # optional: (instance, args, kwargs, result)
+    signature = "(self, *args, device_placement=None)"      # optional: refuse to patch if it changed (a list:
+                                                            # one per release of the window, any matches)
     upstream_sha256 = ["af2db72a4518597e"]                  # the wrapper re-implements this body: refuse
                                                             # the set if the upstream source changed
     fixes = ["A2"]                                          # labels of docs/failures.md
@@ -57,11 +63,13 @@ class DeclarationError(ValueError):
 @dataclass(frozen=True)
 class PatchSpec:
     target: str
-    wrapper: str
-    signature: str | None = None
+    wrapper: str = ""  # "" = pass the call through (a patch that only notes errors)
+    signature: str | tuple[str, ...] | None = None  # one, or the accepted ones (releases of the window differ)
     fixes: tuple[str, ...] = ()
     why: str = ""
     upstream_sha256: tuple[str, ...] = ()
+    notes: str = ""  # label of the set's on_error hook for this target ("" = no hook)
+    on_return: str = ""  # "module:function" called with (instance, args, kwargs, result) after a call returns
 
     @property
     def module(self) -> str:
@@ -84,6 +92,7 @@ class PatchSet:
     source: str = ""
     watches: tuple[PatchSpec, ...] = ()  # mirrored upstream functions (wrapper unused)
     internals: tuple[str, ...] = ()
+    on_error: str = ""  # "module:function" called with (exc, where, instance, args) for patches with notes
 
     def window(self) -> str:
         parts = [f"{name} {spec}" for name, spec in {**self.requires, **self.compatible}.items()]
@@ -129,23 +138,8 @@ def parse_patch_set(data: dict, source: str = "<memory>") -> PatchSet:
         raise DeclarationError(f"{source}: missing key {exc}") from None
     if kind not in KINDS:
         raise DeclarationError(f"{source}: kind must be one of {KINDS}, got {kind!r}")
-    patches = []
-    for i, entry in enumerate(data.get("patch", [])):
-        try:
-            spec = PatchSpec(
-                target=entry["target"],
-                wrapper=entry["wrapper"],
-                signature=entry.get("signature"),
-                fixes=tuple(entry.get("fixes", ())),
-                why=entry.get("why", ""),
-                upstream_sha256=tuple(entry.get("upstream_sha256", ())),
-            )
-        except KeyError as exc:
-            raise DeclarationError(f"{source}: patch #{i + 1} lacks {exc}") from None
-        for ref in (spec.target, spec.wrapper):
-            if ref.count(":") != 1 or not all(ref.split(":")):
-                raise DeclarationError(f"{source}: {ref!r} must look like 'package.module:Attribute.path'")
-        patches.append(spec)
+    on_error = data.get("on_error", "")
+    patches = [_parse_patch(entry, i, source, on_error) for i, entry in enumerate(data.get("patch", []))]
     if not patches:
         raise DeclarationError(f"{source}: patch set {name!r} declares no patch")
     targets = [p.target for p in patches]
@@ -168,7 +162,41 @@ def parse_patch_set(data: dict, source: str = "<memory>") -> PatchSet:
         source=source,
         watches=tuple(watches),
         internals=tuple(data.get("internals", ())),
+        on_error=on_error,
     )
+
+
+def _check_ref(ref: str, source: str) -> None:
+    if ref.count(":") != 1 or not all(ref.split(":")):
+        raise DeclarationError(f"{source}: {ref!r} must look like 'package.module:Attribute.path'")
+
+
+def _signature(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _parse_patch(entry: dict, i: int, source: str, on_error: str) -> PatchSpec:
+    try:
+        spec = PatchSpec(
+            target=entry["target"],
+            wrapper=entry.get("wrapper", ""),
+            signature=_signature(entry.get("signature")),
+            fixes=tuple(entry.get("fixes", ())),
+            why=entry.get("why", ""),
+            upstream_sha256=tuple(entry.get("upstream_sha256", ())),
+            notes=entry.get("notes", ""),
+            on_return=entry.get("on_return", ""),
+        )
+    except KeyError as exc:
+        raise DeclarationError(f"{source}: patch #{i + 1} lacks {exc}") from None
+    if not (spec.wrapper or spec.notes):
+        raise DeclarationError(f"{source}: patch #{i + 1} ({spec.target}) needs a wrapper or notes")
+    if spec.notes and not on_error:
+        raise DeclarationError(f"{source}: patch #{i + 1} ({spec.target}) has notes but the set declares no on_error")
+    for ref in (spec.target, spec.wrapper, spec.on_return, on_error):
+        if ref:
+            _check_ref(ref, source)
+    return spec
 
 
 def declarations_dir() -> Path:

@@ -12,6 +12,7 @@ import importlib
 import inspect
 import logging
 import threading
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import wrapt
@@ -22,6 +23,19 @@ from .errors import PatchError
 from .import_hooks import when_imported
 
 logger = logging.getLogger("accel_fp8_fix")
+
+_CALLING: ContextVar[str | None] = ContextVar("accel_fp8_fix_calling_patch_set", default=None)
+_APPLIED: set[str] = set()  # names of the patch sets applied in this process
+
+
+def calling_patch_set() -> str | None:
+    """Name of the patch set whose fix is running now (inside a fix: the fix's own set), else None."""
+    return _CALLING.get()
+
+
+def is_applied(name: str | None) -> bool:
+    """Whether the patch set ``name`` is applied (not undone) in this process."""
+    return name in _APPLIED
 
 
 class FixWrapper(wrapt.FunctionWrapper):
@@ -37,7 +51,11 @@ class FixWrapper(wrapt.FunctionWrapper):
         def gate(wrapped, instance, args, kwargs):
             if not self._self_fix_enabled:
                 return wrapped(*args, **kwargs)
-            return wrapper(wrapped, instance, args, kwargs)
+            token = _CALLING.set(self._self_fix_patch_set)
+            try:
+                return wrapper(wrapped, instance, args, kwargs)
+            finally:
+                _CALLING.reset(token)
 
         return gate
 
@@ -64,6 +82,37 @@ def resolve_target(spec: PatchSpec):
         # Inherited attributes would be patched on the wrong class; the declaration must name the owner.
         raise AttributeError(f"{spec.target}: {getattr(owner, '__name__', owner)!s} has no attribute {name!r} of its own")
     return owner, name, vars(owner)[name]
+
+
+def _pass_through(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs)
+
+
+def with_hooks(spec: PatchSpec, wrapper, on_error=None, on_return=None):
+    """``wrapper`` (None: pass the call through) with the declared hooks around it: ``on_return(instance, args,
+    kwargs, result)`` after a call returns; ``on_error(exc, spec.notes, instance, args)`` when an exception
+    escapes, which is then re-raised unchanged (a hook that fails is logged, never raised)."""
+    wrapper = wrapper or _pass_through
+    on_error = on_error if spec.notes else None
+    if on_error is None and on_return is None:
+        return wrapper
+
+    def hooked(wrapped, instance, args, kwargs):
+        try:
+            result = wrapper(wrapped, instance, args, kwargs)
+        except Exception as exc:
+            if on_error is not None:
+                try:
+                    on_error(exc, spec.notes, instance, args)
+                except Exception:  # noqa: BLE001 - a note must never replace the user's error
+                    logger.debug("on_error hook failed for %s", spec.target, exc_info=True)
+            raise
+        if on_return is not None:
+            on_return(instance, args, kwargs, result)
+        return result
+
+    hooked.__name__ = hooked.__qualname__ = getattr(wrapper, "__name__", "hooked")
+    return hooked
 
 
 def resolve_wrapper(ref: str):
@@ -177,11 +226,13 @@ class Engine:
                             f"{state.spec.target} is already wrapped by patch set {original._self_fix_patch_set!r}"
                         )
                     if state.spec.signature is not None:
+                        expected = state.spec.signature
+                        expected = (expected,) if isinstance(expected, str) else expected
                         found = _signature_of(original)
-                        if found != state.spec.signature:
-                            raise TypeError(f"signature changed: expected {state.spec.signature}, found {found}")
+                        if found not in expected:
+                            raise TypeError(f"signature changed: expected {' or '.join(expected)}, found {found}")
                     _check_upstream(state.spec, original)
-                    wrapper = resolve_wrapper(state.spec.wrapper)
+                    wrapper = self.wrapper_for(state.spec)
                 except Exception as exc:  # noqa: BLE001 - every failure means "do not patch"
                     state.status, state.detail = "failed", f"{type(exc).__name__}: {exc}"
                     for other in self.states:
@@ -211,7 +262,14 @@ class Engine:
                     done.append(state)
             for state in done:
                 state.status, state.detail = "applied", ""
+            _APPLIED.add(self.patch_set.name)
             logger.debug("patch set %s applied (%d patches)", self.patch_set.name, len(done))
+
+    def wrapper_for(self, spec: PatchSpec):
+        """The wrapt wrapper declared for ``spec``: its fix (or a pass-through) with the set's hooks."""
+        on_error = resolve_wrapper(self.patch_set.on_error) if spec.notes else None
+        on_return = resolve_wrapper(spec.on_return) if spec.on_return else None
+        return with_hooks(spec, resolve_wrapper(spec.wrapper) if spec.wrapper else None, on_error, on_return)
 
     def _check_set_level(self) -> None:
         """The private internals the set relies on, and the upstream functions it mirrors: all present and
@@ -219,8 +277,9 @@ class Engine:
         problems = []
         if self.patch_set.internals:
             from .. import internals
+            from .versions import installed_versions
 
-            problems += internals.check(self.patch_set.internals)
+            problems += internals.check(self.patch_set.internals, installed_versions(internals.DISTRIBUTIONS))
         for spec in self.patch_set.watches:
             try:
                 _check_upstream(spec, resolve_target(spec)[2])
@@ -242,6 +301,7 @@ class Engine:
         warnings_out = []
         with self._lock:
             self.active = False
+            _APPLIED.discard(self.patch_set.name)
             for state in self.states:
                 if state.status != "applied":
                     if state.status in ("failed", "pending"):

@@ -27,11 +27,11 @@ _TORCH_ONLY_KWARGS = ("preserve_rng_state",)  # TE always restores the RNG state
 
 
 def _te_checkpoint(function, *args, use_reentrant=True, **kwargs):
-    from transformer_engine.pytorch.distributed import checkpoint
+    from ..internals.transformer_engine import fp8_checkpoint
 
     for key in _TORCH_ONLY_KWARGS:
         kwargs.pop(key, None)
-    return checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+    return fp8_checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
 
 
 def _torch_checkpoint_keywords(fn):
@@ -49,10 +49,9 @@ def route_checkpointing_through_te(model) -> tuple[list, list]:
 
     Returns (routed module names, module names left alone because their checkpoint function is custom).
     """
-    try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    except ImportError:  # pragma: no cover
-        CheckpointWrapper = ()
+    from ..internals.torch_internals import checkpoint_wrapper_type
+
+    CheckpointWrapper = checkpoint_wrapper_type()
     routed, custom = [], []
     for name, module in model.named_modules():
         if isinstance(module, CheckpointWrapper):

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from ..internals.accelerate_internals import prepared_models
+from ..internals.torch_internals import is_strided_shard
+from . import tp_checkpoint
 from .fp8_state import broadcast_fp8_state, reduce_pending_amax
 
 
@@ -30,7 +32,7 @@ def strided_tp_parameters(model) -> list:
         placements = getattr(param, "placements", ())
         dims = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ()
         for dim_name, placement in zip(dims, placements):
-            if dim_name == "tp" and type(placement).__name__ == "_StridedShard":
+            if dim_name == "tp" and is_strided_shard(placement):
                 names.append(name)
     return names
 
@@ -72,20 +74,55 @@ def save_state(wrapped, instance, args, kwargs):
     models = prepared_models(instance)
     _refuse_strided_sharded_save(instance, models)
     _reduce_pending(instance, models)
-    return wrapped(*args, **kwargs)
+    with tp_checkpoint.sharded_checkpoint(instance):  # TP without FSDP: models / optimizers through DCP (A21)
+        return wrapped(*args, **kwargs)
 
 
 def get_state_dict(wrapped, instance, args, kwargs):
-    """``Accelerator.get_state_dict(model)``: same, for the model whose state is gathered."""
+    """``Accelerator.get_state_dict(model, unwrap=True)``: the pending amax reduced first, as for save_state.
+    With ``unwrap=True`` (the default, and what ``save_model`` uses: an export) the FP8 state of the Transformer
+    Engine modules this package's prepare created (their ``_extra_state``) is left out — it belongs to
+    ``save_state`` (which gathers with ``unwrap=False``, or through DCP), and plain transformers loads the export
+    with no unexpected key."""
     model = args[0] if args else kwargs.get("model")
+    unwrap = args[1] if len(args) > 1 else kwargs.get("unwrap", True)
     if model is not None:
         _reduce_pending(instance, [model])
-    return wrapped(*args, **kwargs)
+    state = wrapped(*args, **kwargs)
+    if unwrap and state and model is not None:
+        for key in _fp8_state_keys(instance, model):
+            state.pop(key, None)
+    return state
+
+
+EXTRA_STATE = "_extra_state"
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod")  # prefixes state_dict hides (checkpoint, compile)
+
+
+def _fp8_state_keys(accelerator, model) -> list[str]:
+    """State-dict keys of the ``_extra_state`` of the TE modules this package's prepare created or set up in
+    ``model`` (every converted Linear / LayerNorm, every TE module with FP8 state); none when it did not prepare
+    ``model``."""
+    setup = getattr(accelerator, "accel_fp8_fix", None)
+    conversion = getattr(setup, "conversion", None)
+    if conversion is None or getattr(setup, "model", None) is not model:
+        return []
+    ours = {id(m) for m in conversion.te_modules}
+    converted = set(conversion.converted)
+    keys = []
+    for name, module in model.named_modules():
+        if id(module) in ours or name in converted:
+            parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
+            keys.append(".".join([*parts, EXTRA_STATE]))
+    return keys
 
 
 def load_state(wrapped, instance, args, kwargs):
-    """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group)."""
-    result = wrapped(*args, **kwargs)
+    """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group). A sharded
+    checkpoint DCP cannot load into the prepared models is refused by name first (A21)."""
+    tp_checkpoint.check_sharded_load(instance, args[0] if args else kwargs.get("input_dir"))
+    with tp_checkpoint.sharded_checkpoint(instance):  # TP without FSDP: models / optimizers through DCP (A21)
+        result = wrapped(*args, **kwargs)
     setup = _fp8_setup(instance)
     if setup is not None:
         for model in prepared_models(instance):

@@ -38,6 +38,8 @@ import sys
 import threading
 import time
 
+from ..engine.engine import calling_patch_set, is_applied
+
 logger = logging.getLogger("accel_fp8_fix")
 
 TIMEOUT_ENV = "ACCEL_FP8_FIX_EXIT_TIMEOUT"
@@ -47,15 +49,18 @@ DEFAULT_GRACE_S = 0.2
 
 _lock = threading.Lock()
 _registered = False
+_patch_set: str | None = None  # the set whose PartialState.__init__ fix registered the handler
 
 
 def partial_state_init(wrapped, instance, args, kwargs):
     """``PartialState.__init__``: stock, then, if this call created the default process group, arrange its
     destruction at exit (once per process)."""
+    global _patch_set
     dist = _dist()
     before = dist is not None and dist.is_initialized()
     result = wrapped(*args, **kwargs)
     if dist is not None and not before and dist.is_initialized():
+        _patch_set = calling_patch_set()
         _register()
     return result
 
@@ -77,9 +82,8 @@ def _register() -> None:
 
 
 def _fix_applied() -> bool:
-    from .. import _api
-
-    return _api.active_patch_set() is not None
+    """The patch set that registered the handler is still applied (not undone since)."""
+    return is_applied(_patch_set)
 
 
 def _seconds(name: str, default: float) -> float:

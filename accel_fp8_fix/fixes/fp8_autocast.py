@@ -5,21 +5,19 @@ autocast — ``autocast(recipe=, amax_reduction_group=)`` where the installed TE
 
 from __future__ import annotations
 
-import inspect
 from types import MethodType
 
 import torch
 
 from .._log import warn_user
 from ..internals.accelerate_internals import unwrap_accelerate_autocast
+from ..internals.transformer_engine import autocast_factory
 
 
 def te_autocast(te):
-    """A function ``(enabled, recipe, group) -> context manager`` for the installed TE's autocast API."""
-    autocast = getattr(te, "autocast", None)
-    if autocast is not None and "amax_reduction_group" in inspect.signature(autocast).parameters:
-        return lambda enabled, recipe, group: autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
-    return lambda enabled, recipe, group: te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+    """A function ``(enabled, recipe, group) -> context manager`` for the installed TE's autocast API (the
+    version fork lives in internals/transformer_engine.py)."""
+    return autocast_factory(te)
 
 
 def build_recipe(handler):
@@ -41,6 +39,17 @@ def warn_eval_mode_training(model) -> None:
         "before training (or set use_autocast_during_eval=True in TERecipeKwargs to run eval in FP8 too)")
 
 
+def _needs_self(model, target) -> bool:
+    """Whether ``target`` must be called with the module first. ``model.forward`` read from the instance, and
+    what accelerate's TE wrapper wraps (it calls ``model_forward(*args)``), are called as they are: a bound
+    method, or a function set on the instance — ``torch.compile``'s ``OptimizedModule`` sets ``forward`` to the
+    compiled ``_orig_mod.__call__``, which takes no module argument (passing one made the inner forward see the
+    module as ``input_ids``). Only the class's own ``forward`` function, unbound, takes ``self``."""
+    if hasattr(target, "__self__"):
+        return False
+    return any(target is klass.__dict__.get("forward") for klass in type(model).__mro__)
+
+
 def wrap_forward(model, te, recipe, group, use_during_eval: bool) -> None:
     """Run ``model.forward`` under TE autocast. accelerate's own TE wrapper (``contextual_fp8_autocast``,
     which passes no group) is replaced; any other wrapper (fp32 outputs, bf16 autocast) is kept inside."""
@@ -52,7 +61,7 @@ def wrap_forward(model, te, recipe, group, use_during_eval: bool) -> None:
     unwrapped = unwrap_accelerate_autocast(func)
     if unwrapped is not func:
         target = unwrapped
-    bound = hasattr(target, "__self__")
+    bound = not _needs_self(model, target)
 
     def fp8_forward(self, *args, **kwargs):
         enabled = use_during_eval or self.training

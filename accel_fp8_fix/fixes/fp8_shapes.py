@@ -62,10 +62,9 @@ def weight_multiple(recipe) -> int:
 
 def _fp8_multiples() -> tuple[int, int] | None:
     """(leading, last) multiples the current FP8 recipe needs, or None when FP8 is off."""
-    try:
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-    except ImportError:  # TE < 2.9
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    from ..internals.transformer_engine import fp8_global_state
+
+    FP8GlobalStateManager = fp8_global_state()
     if not FP8GlobalStateManager.is_fp8_enabled():
         return None
     return recipe_multiples(FP8GlobalStateManager.get_fp8_recipe())

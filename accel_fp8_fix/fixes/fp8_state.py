@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed.collectives import all_reduce_, broadcast_
+from ..distributed.collectives import all_reduce, broadcast
 
 SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
               "_state_dict_hooks", "_load_state_dict_pre_hooks", "_non_persistent_buffers_set"}
@@ -33,8 +33,9 @@ class RegisteredState:
 def _is_composable_state(obj) -> bool:
     """FSDP2's (or replicate's) per-module state, e.g. TE's ``_te_cached_parent_fsdp_state``: it holds the
     parameters of a whole FSDP unit, none of them this module's own state."""
-    return any(c.__name__ == "_State" and c.__module__ == "torch.distributed._composable_state"
-               for c in type(obj).__mro__)
+    from ..internals.torch_internals import is_composable_state
+
+    return is_composable_state(obj)
 
 
 def _walk(obj, path, depth, seen, out):
@@ -172,7 +173,7 @@ def broadcast_fp8_state(model: nn.Module, group, src: int = 0) -> int:
     """Copy rank ``src``'s FP8 state into every rank's, in place, on the explicit ``group``; bytes sent."""
     sent = 0
     for name, tensor in fp8_state_tensors(model).items():
-        broadcast_(tensor, src=src, group=group, name=name)
+        broadcast(tensor, src=src, group=group, name=name)
         sent += tensor.numel() * tensor.element_size()
     return sent
 
@@ -192,7 +193,7 @@ def reduce_pending_amax(model: nn.Module, group) -> int:
     if not rows:
         return 0
     flat = torch.cat([r.reshape(-1).float() for r in rows])
-    all_reduce_(flat, op=dist.ReduceOp.MAX, group=group, name="pending amax (row 0 of the amax histories)")
+    all_reduce(flat, op=dist.ReduceOp.MAX, group=group, name="pending amax (row 0 of the amax histories)")
     offset = 0
     for row in rows:
         row.copy_(flat[offset:offset + row.numel()].reshape(row.shape))

@@ -13,14 +13,16 @@ runs on the decoded payload (nothing re-implemented). Also read: TE 1.x ``io.Byt
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import io
 import pickle
 from collections import OrderedDict
-from types import MethodType, SimpleNamespace
+from types import MethodType
 
 import torch
+
+from ..internals import transformer_engine as te_internals
+from ..internals.torch_internals import pickled_tensor_globals
 
 _RECIPE_MODULE = "transformer_engine.common.recipe"
 _TENSOR_KEYS = {"scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd", "scale_inv_fwd", "scale_inv_bwd"}
@@ -35,8 +37,7 @@ def _storage_from_bytes(data: bytes):
 
 _SAFE_GLOBALS = {
     ("collections", "OrderedDict"): OrderedDict,
-    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-    ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+    **pickled_tensor_globals(_storage_from_bytes),  # torch's tensor-rebuild globals (internals/torch_internals.py)
     ("torch", "Size"): torch.Size,
 }
 
@@ -59,11 +60,10 @@ class NonConformingExtraState(RuntimeError):
 
 
 def _advisory(context: str) -> str:
-    try:
-        from transformer_engine.pytorch._extra_state import extra_state_pickle_advisory
-    except ImportError:  # TE < 2.18 has no guard (and no advisory)
+    advisory = te_internals.pickle_advisory(context)
+    if advisory is None:  # TE < 2.18 has no guard (and no advisory)
         return f"Refusing to load pickled Transformer Engine extra state for {context}."
-    return extra_state_pickle_advisory(context)
+    return advisory
 
 
 def _check_payload(payload, context: str):
@@ -110,31 +110,17 @@ def _te_ignores(state) -> bool:
         return False
     if state.numel() == 0:
         return True
-    try:
-        from transformer_engine.pytorch._extra_state import _classify_extra_state_pickle, _PickledExtraStateAction
-    except ImportError:
-        return False
-    return _classify_extra_state_pickle(state.detach().cpu().numpy().tobytes()) is _PickledExtraStateAction.IGNORE
+    return te_internals.ignores_extra_state(state.detach().cpu().numpy().tobytes())
 
 
-@contextlib.contextmanager
 def _te_loads(payload):
     """TE's ``set_extra_state`` (module/base.py) with its pickle guard answered and ``pickle.loads``
-    returning the already decoded ``payload``: TE's own code applies it."""
-    base = importlib.import_module("transformer_engine.pytorch.module.base")
-    saved = {"should_load_extra_state_pickle": base.should_load_extra_state_pickle, "pickle": base.pickle}
-    base.should_load_extra_state_pickle = lambda data, context: True
-    base.pickle = SimpleNamespace(loads=lambda data: payload, dumps=pickle.dumps)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(base, name, value)
+    returning the already decoded ``payload``: TE's own code applies it (the swap: internals)."""
+    return te_internals.loading_decoded(payload)
 
 
 def _guarded_te() -> bool:
-    base = importlib.import_module("transformer_engine.pytorch.module.base")
-    return hasattr(base, "should_load_extra_state_pickle") and hasattr(base, "pickle")
+    return te_internals.has_pickle_guard()
 
 
 def safe_set_extra_state(self, state) -> None:

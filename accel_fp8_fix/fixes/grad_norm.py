@@ -16,13 +16,15 @@ torch versions without the problem; no version number is consulted.
 
 from __future__ import annotations
 
+from ..distributed.dtensor import is_dtensor
+
 
 def replicated_norm(norm):
     """``norm`` with every ``Partial`` placement reduced (``Replicate``); anything else unchanged."""
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.placement_types import Partial
 
-    if not isinstance(norm, DTensor) or not any(isinstance(p, Partial) for p in norm.placements):
+    if not is_dtensor(norm) or not any(isinstance(p, Partial) for p in norm.placements):
         return norm
     placements = [Replicate() if isinstance(p, Partial) else p for p in norm.placements]
     return norm.redistribute(norm.device_mesh, placements)
@@ -31,6 +33,5 @@ def replicated_norm(norm):
 def clip_grad_norm_(wrapped, instance, args, kwargs):
     """``Accelerator.clip_grad_norm_``: the returned total norm is reduced over the mesh (A17). Wrapping the
     public method covers accelerate 1.13 / 1.14 (torch's ``clip_grad_norm_`` called inline) and 1.15
-    (``_clip_grad_norm_dtensor_aware``) alike. Declared through ``diagnostics.notes.clip_grad_norm_``, which
-    adds its error notes around this fix."""
+    (``_clip_grad_norm_dtensor_aware``) alike. Error notes come from the ``notes`` hook its declaration names."""
     return replicated_norm(wrapped(*args, **kwargs))

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import collectives as C
+from ..distributed.dtensor import is_dtensor
 
 EXTRA_STATE_SUFFIX = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 SRC = 0  # accelerate's main process (is_main_process) is global rank 0
@@ -67,7 +68,7 @@ class _Entry:
 
 
 def _describe(value) -> _Entry:
-    if C.is_dtensor(value):
+    if is_dtensor(value):
         mesh = value.device_mesh
         return _Entry(
             "dtensor", tuple(value.shape), value.dtype, mesh.device_type,
@@ -135,7 +136,7 @@ def _compute_device(accelerator, model_sd) -> torch.device:
     """Where buffers and receive buffers live: the model's mesh device (accelerator.device's index)."""
     device_type = None
     for v in model_sd.values():
-        if C.is_dtensor(v):
+        if is_dtensor(v):
             device_type = v.device_mesh.device_type
             break
     acc_device = getattr(accelerator, "device", None)
@@ -170,7 +171,7 @@ def _check_entry(name, target, entry: _Entry, full_sd, me) -> str | None:
             )
     if entry.kind == "dtensor" and me in entry.mesh_ranks:
         mine = full_sd.get(name) if isinstance(full_sd, dict) else None
-        if not C.is_dtensor(mine):
+        if not is_dtensor(mine):
             return (
                 f"'{name}': rank {SRC}'s value is a DTensor on mesh ranks {list(entry.mesh_ranks)}; rank {me} is on "
                 f"that mesh and must take part in gathering it, but its full state dict holds "
@@ -277,9 +278,9 @@ def _load_one(name, target, entry, full_sd, model, me, device, cpu_offload, dist
     full = _global_source(name, entry, full_sd, me, device)
     if me != SRC:
         full = torch.empty(entry.shape, dtype=entry.dtype, device=device)
-    C.broadcast_(full, src=SRC, group=world, name=name)
+    C.broadcast(full, src=SRC, group=world, name=name)
     contiguous, dtype = _target_dtype_and_contiguity(model, name, target, entry.dtype)
-    if C.is_dtensor(target):
+    if is_dtensor(target):
         mesh = target.device_mesh
         full = full.to(mesh.device_type) if full.device.type != mesh.device_type else full
         # Every rank has the global value: take the local shard with no further communication.

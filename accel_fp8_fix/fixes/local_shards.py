@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.collectives import is_dtensor
+from ..distributed.dtensor import is_dtensor
 
 
 class _SumGradOverGroup(torch.autograd.Function):

@@ -14,24 +14,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._api import active_patch_set
 from .._log import say, warn_user
 from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
+from ..distributed.dtensor import is_dtensor
+from ..engine.engine import calling_patch_set
 from ..internals.accelerate_internals import recipe_handler
+from ..internals.transformer_engine import GEMMS_PER_MODULE
 from .activation_checkpointing import route_checkpointing_through_te
 from .checkpoint import keep_fp8_state_in_checkpoints
+from . import fp8_all_gather
 from .fp8_autocast import build_recipe, te_autocast, wrap_forward
 from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
 from .presharded import check_mesh_matches
 from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
+from .trainer import drop_pending_model, with_pending_model
 
 logger = logging.getLogger(__name__)
 
 DEFER_FLAG = "_accel_fp8_fix_defer_te"
-GEMMS_PER_MODULE = {"LayerNormMLP": 2}  # TE's num_gemms per forward; 1 for Linear / LayerNormLinear
 
 
 @dataclass
@@ -46,6 +49,8 @@ class Fp8Setup:
     registered_state: list = field(default_factory=list)
     fp8_enabled: bool = False
     checkpointing_routed: list = field(default_factory=list)  # layers recomputing with TE's FP8-aware checkpoint
+    model: object = field(default=None, repr=False, compare=False)  # the prepared model this setup is for
+    all_gather: object = None  # fixes/fp8_all_gather.Fp8AllGatherSetup when weights are all-gathered in FP8
 
 
 def _handles(accelerator) -> bool:
@@ -63,22 +68,17 @@ def _the_model(objects):
 
 
 def prepare(wrapped, instance, args, kwargs):
-    try:
-        return _prepare(wrapped, instance, args, kwargs)
-    except Exception as exc:  # a known DTensor / TE error gets a note (same exception, re-raised): diagnostics/notes.py
-        from ..diagnostics.notes import annotate
-
-        annotate(exc, _the_model(args), "Accelerator.prepare")
-        raise
-
-
-def _prepare(wrapped, instance, args, kwargs):
+    """Errors leaving it get a note, and the prepared model its audit setup, from the hooks the TOML declares
+    (``notes``, ``on_return``: diagnostics/notes.py)."""
     if not getattr(instance, "_accel_fp8_fix_agreed", False):
-        check_patch_set_agreement(active_patch_set())
+        check_patch_set_agreement(calling_patch_set())
         instance._accel_fp8_fix_agreed = True
     if not _handles(instance):
         return wrapped(*args, **kwargs)
+    args, pending = with_pending_model(instance, args)  # a model Trainer prepared alone (A22)
     model = _the_model(args)
+    # FP8 all-gather asked for where it cannot run: refused by name before anything is sharded or converted
+    fp8_all_gather.check_request(instance)
     if model is not None:
         check_mesh_matches(instance, model)  # a model transformers sharded at load (A18) must match the config
         record_tp_layout(model)
@@ -90,10 +90,8 @@ def _prepare(wrapped, instance, args, kwargs):
     prepared = _the_model(result if isinstance(result, (tuple, list)) else (result,))
     if prepared is not None:
         instance.accel_fp8_fix = finish_fp8_prepare(instance, prepared)
-        from ..diagnostics.notes import after_prepare
-
-        after_prepare(instance, prepared, instance.accel_fp8_fix)  # audit(model), forward notes, ACCEL_FP8_FIX_AUDIT
-    return result
+        instance.accel_fp8_fix.model = prepared
+    return result if pending is None else drop_pending_model(result, pending)
 
 
 def prepare_te(wrapped, instance, args, kwargs):
@@ -118,10 +116,8 @@ def mesh_of(accelerator, model):
     mesh = getattr(accelerator, "torch_device_mesh", None)
     if mesh is not None:
         return mesh
-    from torch.distributed.tensor import DTensor
-
     for param in model.parameters():
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             return param.device_mesh
     return None
 
@@ -156,6 +152,8 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     with torch.no_grad(), te_autocast(te)(True, recipe, group):
         for module in conversion.te_modules:
             module.init_fp8_metadata(num_gemms=GEMMS_PER_MODULE.get(type(module).__name__, 1))
+    if fp8_all_gather.check_request(accelerator):
+        setup.all_gather = fp8_all_gather.install(model, conversion.te_modules, recipe, group)
     setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=("fp8_meta",))
     for module in conversion.te_modules:
         install_safe_loading(module)

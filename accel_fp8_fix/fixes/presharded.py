@@ -17,7 +17,7 @@ import logging
 from torch import nn
 
 from .._log import say
-from ..distributed.collectives import is_dtensor
+from ..distributed.dtensor import is_dtensor
 
 logger = logging.getLogger(__name__)
 

@@ -201,6 +201,9 @@ def accelerator_init(wrapped, instance, args, kwargs):
     problems = settings.check(owners=("package",))
     if problems:
         raise ValueError("; ".join(str(exc) for _setting, exc in problems))
+    from .layout import check_accelerator_kwargs
+
+    check_accelerator_kwargs(kwargs)  # a layout accelerate refuses: named, with the one to use instead
     result = wrapped(*args, **kwargs)
     if getattr(instance, "fp8_enabled", False):
         from ..internals.accelerate_internals import recipe_handler
@@ -211,7 +214,16 @@ def accelerator_init(wrapped, instance, args, kwargs):
     return result
 
 
-def te_recipe_kwargs(recipe="delayed", **fields):
+_ALL_GATHER: dict = {}  # id(handler) -> (handler, "fp8" / "high_precision"): te_recipe_kwargs(all_gather=...)
+
+
+def all_gather_choice(handler):
+    """What ``te_recipe_kwargs(all_gather=...)`` asked for on this handler (None: not asked there)."""
+    entry = _ALL_GATHER.get(id(handler)) if handler is not None else None
+    return entry[1] if entry is not None and entry[0] is handler else None
+
+
+def te_recipe_kwargs(recipe="delayed", all_gather=None, **fields):
     """accelerate's ``TERecipeKwargs(**fields)`` that asks for ``recipe`` (a name or a TE recipe object).
 
     Fields ``TERecipeKwargs`` does not have are passed to the TE recipe class (e.g. ``fp4_format``); a field neither
@@ -226,8 +238,20 @@ def te_recipe_kwargs(recipe="delayed", **fields):
     if isinstance(recipe, str):
         recipe = recipe_name(recipe, "te_recipe_kwargs(recipe)")
     _check_extra_fields(recipe, extra, known)
+    if all_gather is not None:
+        from .. import settings
+
+        all_gather = settings.REGISTRY["ACCELERATE_FP8_ALL_GATHER"].parse(all_gather)
+        if all_gather == "fp8" and isinstance(recipe, str):
+            from .fp8_all_gather_policy import Fp8AllGatherError, refusal
+
+            why = refusal(RECIPES[recipe][0], is_fsdp2=True)
+            if why is not None:
+                raise Fp8AllGatherError(f"accel_fp8_fix: te_recipe_kwargs(all_gather='fp8') cannot run with {why}")
     handler = TERecipeKwargs(**{k: v for k, v in fields.items() if k in known})
     _CHOICES[id(handler)] = (handler, recipe, extra)
+    if all_gather is not None:
+        _ALL_GATHER[id(handler)] = (handler, all_gather)
     try:
         check_handler(handler)
     except ValueError:
@@ -287,9 +311,9 @@ def _te_version() -> str:
 def _device() -> str:
     """The GPU as TE sees it (TE's own capability query; the CPU rehearsal answers for TE's frames only)."""
     try:
-        from transformer_engine.pytorch.utils import get_device_compute_capability
+        from ..internals.transformer_engine import device_compute_capability
 
-        major, minor = get_device_compute_capability()
+        major, minor = device_compute_capability()
         rehearsal = sys.modules.get("accel_fp8_fix.rehearsal.te_on_cpu")
         where = " (the CPU rehearsal's answer)" if rehearsal is not None and rehearsal.is_installed() else ""
         return f"a GPU of compute capability {major}.{minor} (sm{major}{minor}){where}"
@@ -298,11 +322,9 @@ def _device() -> str:
 
 
 def _support_check(check_name: str):
-    try:
-        from transformer_engine.pytorch import quantization as q
-    except ImportError:  # TE < 2.9
-        from transformer_engine.pytorch import fp8 as q
-    return getattr(q, check_name, None)
+    from ..internals.transformer_engine import support_check
+
+    return support_check(check_name)
 
 
 def _chosen(handler) -> tuple[object, str]:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from .._log import say
-from ..distributed.collectives import is_dtensor
-from ..internals import torch_fsdp2, transformers_tp
+from ..distributed.dtensor import is_dtensor
+from ..internals import torch_fsdp2, torch_internals, transformers_tp
 from .fp8_shapes import FP8_LAST_MULTIPLE, install_token_check, local_dims, local_dims_fit
 from .local_shards import install_local_shards
 from .presharded import FSDP_DIM_NAMES
@@ -89,7 +89,7 @@ def _fsdp_placement(placement) -> bool:
     """FSDP2's placement: Shard(0), _StridedShard(0) (FSDP2 over TP's Shard(0)) or Replicate (HSDP)."""
     from torch.distributed.tensor import Replicate
 
-    shard0 = getattr(placement, "dim", None) == 0 and (placement.is_shard() or type(placement).__name__ == "_StridedShard")
+    shard0 = getattr(placement, "dim", None) == 0 and (placement.is_shard() or torch_internals.is_strided_shard(placement))
     return shard0 or isinstance(placement, Replicate)
 
 

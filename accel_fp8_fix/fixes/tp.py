@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..distributed.collectives import is_dtensor
+from ..distributed.dtensor import is_dtensor
 from ..internals.accelerate_internals import prepare_one
 from ..internals.transformers_tp import grad_allreduce_original_forward
 from .local_shards import install_local_shards
@@ -64,16 +64,59 @@ def remap_optimizer(optimizer, mapping: dict) -> None:
             optimizer.state[new] = optimizer.state.pop(old)
 
 
+HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
+
+
+def check_heads_divisible(model, tp_size: int) -> None:
+    """Tensor parallelism splits attention heads (and KV heads) across the TP ranks: a ``tp_size`` that does not
+    divide them fails at the first forward with a bare ``shape '[2, 32, -1, 32]' is invalid``. Raised here, at
+    ``prepare``, with the config fields, their values and ``tp_size`` instead. Models without such fields pass."""
+    import math
+
+    if not tp_size or tp_size <= 1:
+        return
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        try:
+            config = config.get_text_config()
+        except Exception:  # noqa: BLE001  (a config whose text part cannot be resolved: check the top level)
+            pass
+    if config is None:
+        return
+    values = {f: getattr(config, f, None) for f in HEAD_FIELDS}
+    values = {f: v for f, v in values.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    bad = {f: v for f, v in values.items() if v % tp_size}
+    if not bad:
+        return
+    g = math.gcd(*values.values())
+    fits = [d for d in range(1, g + 1) if g % d == 0]
+    have = ", ".join(f"{f}={v}" for f, v in values.items())
+    why = "; ".join(f"{f}={v} is not a multiple of tp_size={tp_size} ({v} % {tp_size} = {v % tp_size})"
+                    for f, v in bad.items())
+    raise ValueError(
+        f"accel_fp8_fix: tensor parallelism splits the attention heads across tp_size={tp_size} ranks, but "
+        f"{type(config).__name__} has {have}: {why}. Set ParallelismConfig(tp_size=...) (accelerate config "
+        f"`parallelism_config_tp_size`) to a divisor of every head count ({', '.join(map(str, fits))}), or use a "
+        f"model whose {' and '.join(bad)} is a multiple of {tp_size}")
+
+
 def prepare_tp(wrapped, instance, args, kwargs):
     """``Accelerator._prepare_tp``: same passes as stock, then this package's Replicate wrapping (no
-    ``ReplicateParallel``) when FSDP2 is on or when the TE prepare of this package runs."""
+    ``ReplicateParallel``) when FSDP2 is on or when the TE prepare of this package runs. First, every model's
+    head counts are checked against ``tp_size`` (:func:`check_heads_divisible`)."""
     from .prepare import DEFER_FLAG
 
+    pc = getattr(instance, "parallelism_config", None)
+    for obj in args:
+        if isinstance(obj, nn.Module):
+            check_heads_divisible(obj, getattr(pc, "tp_size", 1) or 1)
     if not (instance.is_fsdp2 or getattr(instance, DEFER_FLAG, False)):
         return wrapped(*args, **kwargs)
     result = [prepare_one(instance, obj, first_pass=True) if not isinstance(obj, nn.Module) else obj for obj in args]
     result = [prepare_one(instance, obj) if not isinstance(obj, nn.Module) else obj for obj in result]
     models = [obj for obj in result if isinstance(obj, nn.Module)]
+    if not models:
+        return result  # a dataloader (or optimizer) alone — the Trainer prepares its dataloader first: as stock
     if not any(is_dtensor(p) for m in models for p in m.parameters()):
         raise ValueError(
             "accel_fp8_fix: ParallelismConfig has tp_size > 1 but no parameter of the model is a DTensor: shard the "

@@ -1,16 +1,20 @@
-"""Every private torch / transformers / accelerate internal this package relies on, one module per library.
+"""Every private torch / transformers / accelerate / Transformer Engine internal this package relies on (and
+TE's version forks, decided once per installed TE), one module per library.
 
 The fixes reach these internals only through the accessors here. A patch set lists the modules it needs
-(``internals = [...]`` in its TOML); when it is applied, :func:`check` runs each module's ``check()``, and a
-missing or changed internal refuses the whole set with an error naming the internal and the installed
-version — never a crash in the middle of ``prepare``. A library that is not installed has nothing to check.
+(``internals = [...]`` in its TOML); when it is applied, :func:`check` runs each module's ``check(versions)``
+(the installed versions, read by the engine: nothing here imports ``engine/``), and a missing or changed
+internal refuses the whole set with an error naming the internal and the installed version — never a crash
+in the middle of ``prepare``. A library that is not installed has nothing to check.
 """
 
 from __future__ import annotations
 
 import importlib
 
-MODULES = ("torch_fsdp2", "transformers_tp", "accelerate_internals")
+MODULES = ("torch_fsdp2", "torch_internals", "transformers_tp", "accelerate_internals", "transformer_engine")
+# the distributions whose installed versions check() needs (the engine reads them once, from metadata)
+DISTRIBUTIONS = ("accelerate", "torch", "transformers", "transformer-engine")
 
 
 def missing_from_sources(root, sources, version: str) -> list[str]:
@@ -37,12 +41,23 @@ def package_root(name: str):
     return Path(spec.origin).parent if spec is not None and spec.origin is not None else None
 
 
-def check(names) -> list[str]:
-    """Problems found in the named internals modules (empty when all are as expected)."""
+def check_sources(package: str, versions, sources, subfolder: str = "") -> list[str]:
+    """``check(versions)`` of an internals module whose internals are texts in ``package``'s source files:
+    problems naming the version (the distribution is ``package``'s, e.g. torch, accelerate)."""
+    version = f"{package} {versions.get(package)}"
+    root = package_root(package)
+    if root is None:
+        return [f"{version}: {package} not found"]
+    return missing_from_sources(root / subfolder if subfolder else root, sources, version)
+
+
+def check(names, versions) -> list[str]:
+    """Problems found in the named internals modules (empty when all are as expected); ``versions``: the
+    installed version of each of :data:`DISTRIBUTIONS` (None when not installed)."""
     problems = []
     for name in names:
         if name not in MODULES:
             problems.append(f"unknown internals module {name!r} (known: {', '.join(MODULES)})")
             continue
-        problems += importlib.import_module(f"{__name__}.{name}").check()
+        problems += importlib.import_module(f"{__name__}.{name}").check(versions)
     return problems

@@ -22,15 +22,10 @@ _SOURCES = (
 )
 
 
-def check() -> list[str]:
-    from ..engine.versions import installed_version
-    from . import missing_from_sources, package_root
+def check(versions) -> list[str]:
+    from . import check_sources
 
-    version = f"accelerate {installed_version('accelerate')}"
-    root = package_root("accelerate")
-    if root is None:
-        return [f"{version}: accelerate not found"]
-    return missing_from_sources(root, _SOURCES, version)
+    return check_sources("accelerate", versions, _SOURCES)
 
 
 def prepared_models(accelerator) -> list:

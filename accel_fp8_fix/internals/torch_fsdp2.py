@@ -9,12 +9,6 @@ Transformer Engine after sharding must move that record to the new module.
 from __future__ import annotations
 
 
-def _version() -> str:
-    from ..engine.versions import installed_version
-
-    return f"torch {installed_version('torch')}"
-
-
 # (file under torch/distributed/fsdp/_fully_shard/, text that must be in it): read, not imported — importing
 # FSDP2 costs ~1 s, which `import accelerate` must not pay for a check.
 _SOURCES = (
@@ -23,16 +17,23 @@ _SOURCES = (
     ("_fsdp_param.py", "class ParamModuleInfo"),
     ("_fsdp_param.py", "self._module_info"),
     ("_fsdp_param.py", "shared_modules"),
+    # the all-gather extension hooks (FP8 all-gather, fixes/fp8_all_gather.py)
+    ("_fsdp_param.py", "def _init_extensions("),
+    ("_fsdp_param.py", 'hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")'),
+    ("_fsdp_param.py", "def _sharded_local_tensor("),
+    ("_fsdp_param.py", "self.all_gather_outputs"),
+    ("_fsdp_param.py", "post_forward_mesh_info"),
+    ("_fsdp_param.py", "offload_to_cpu"),
+    ("_fsdp_param.py", "def reset_sharded_param("),
+    ("_fsdp_param.py", "self.padded_sharded_param_size"),
+    ("_fsdp_param_group.py", "fsdp_param.reset_sharded_param()"),
 )
 
 
-def check() -> list[str]:
-    from . import missing_from_sources, package_root
+def check(versions) -> list[str]:
+    from . import check_sources
 
-    root = package_root("torch")
-    if root is None:
-        return [f"{_version()}: torch not found"]
-    return missing_from_sources(root / "distributed" / "fsdp" / "_fully_shard", _SOURCES, _version())
+    return check_sources("torch", versions, _SOURCES, "distributed/fsdp/_fully_shard")
 
 
 def fsdp_params(model) -> list:
@@ -55,3 +56,93 @@ def retarget(fsdp_params_, old, new) -> None:
         if info.module is old:
             info.module = new
         info.shared_modules = [new if m is old else m for m in info.shared_modules]
+
+
+# -- the all-gather extension (fixes/fp8_all_gather.py) ----------------------------------------------------------
+# FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a parameter's sharded local tensor when that
+# tensor's class has them (``FSDPParam._init_extensions``, re-run by the group's ``lazy_init``). Conversion to TE
+# happens after ``fully_shard``, so the extension is installed on an already-sharded parameter: its local tensor
+# is swapped for an alias of another class, and ``_init_extensions`` re-run, as FSDP2 would have at construction.
+
+
+def param_name(fsdp_param) -> str:
+    return fsdp_param._module_info.param_name
+
+
+def owner_module(fsdp_param):
+    return fsdp_param._module_info.module
+
+
+def padded_shard_size(fsdp_param):
+    return fsdp_param.padded_sharded_param_size
+
+
+def sharded_param(fsdp_param):
+    """The sharded DTensor parameter (what the optimizer steps)."""
+    return fsdp_param.sharded_param
+
+
+def sharded_local_tensor(fsdp_param):
+    return fsdp_param._sharded_local_tensor
+
+
+def why_no_extension(fsdp_param) -> str | None:
+    """Why FSDP2 could not run an all-gather extension on this parameter (None: it can)."""
+    if fsdp_param.offload_to_cpu:
+        return "CPU offload (FSDP2 copies the offloaded shard to the device as a plain tensor)"
+    if fsdp_param.post_forward_mesh_info not in (None, fsdp_param.mesh_info):  # True: the same mesh; False: None
+        return "reshard_after_forward=<int> (FSDP2 re-gathers from a smaller mesh without the extension)"
+    if fsdp_param.fsdp_placement.dim != 0:
+        return f"sharding on dim {fsdp_param.fsdp_placement.dim} (a shard_placement_fn)"
+    if getattr(fsdp_param, "_unsharded_param", None) is not None:
+        return "it was already all-gathered once (a forward ran before prepare finished)"
+    return None
+
+
+def install_extension(fsdp_param, alias) -> None:
+    """Make ``alias(local)`` (an alias of the sharded local tensor, of a class with the extension hooks) the tensor
+    FSDP2 gathers from, and re-run what FSDP2 does at construction for an extension. FSDP2 may replace the local
+    tensor later — ``reset_sharded_param`` at its lazy init (e.g. when a loader replaced the shard's storage after
+    ``fully_shard``: transformers' ``DistributedConfig`` loading) or after ``model.to()`` — so this parameter's
+    ``reset_sharded_param`` re-applies the alias after FSDP2's own."""
+    cls = None
+
+    def apply():
+        nonlocal cls
+        local = fsdp_param.sharded_param._local_tensor
+        if cls is None or type(local) is not cls:
+            local = alias(local)
+            cls = type(local)
+            fsdp_param.sharded_param._local_tensor = local
+        fsdp_param._init_extensions()
+
+    original = type(fsdp_param).reset_sharded_param
+
+    def reset_sharded_param():
+        original(fsdp_param)
+        apply()
+
+    fsdp_param.reset_sharded_param = reset_sharded_param
+    fsdp_param.all_gather_outputs = []
+    apply()
+
+
+
+def local_of_unsharded(param):
+    """The local tensor of an unsharded parameter: under FSDP2 x TP FSDP2 wraps what ``fsdp_post_all_gather``
+    returned in a DTensor on the TP mesh (``_from_local_no_grad``), and hands that DTensor back as ``out=``."""
+    local = getattr(param, "_local_tensor", None)
+    return param if local is None else local
+
+
+def plain_ops_class_attribute():
+    """``torch._C._disabled_torch_function_impl``: set as ``__torch_function__`` of a Tensor subclass, every op on
+    an instance returns a plain ``torch.Tensor`` (how ``nn.Parameter`` stays out of results)."""
+    import torch
+
+    return torch._C._disabled_torch_function_impl
+
+
+def version_of(tensor) -> int:
+    """A tensor's version counter (bumped by every in-place op on it or an alias)."""
+    return tensor._version

@@ -13,13 +13,17 @@ KNOWN_STYLES = ("ColwiseParallel", "RowwiseParallel")
 _STYLE_ATTRS = ("input_layouts", "output_layouts", "use_local_output")
 
 
-def _version() -> str:
-    from ..engine.versions import installed_version
+def _version(versions=None) -> str:
+    """``transformers <version>``: from ``versions`` (the check), else from the imported transformers (a TP
+    model exists, so transformers is imported)."""
+    if versions is None:
+        import transformers
 
-    return f"transformers {installed_version('transformers')}"
+        return f"transformers {transformers.__version__}"
+    return f"transformers {versions.get('transformers')}"
 
 
-def check() -> list[str]:
+def check(versions) -> list[str]:
     """Checked when the patch set is applied if transformers' TP module is already imported (importing
     transformers just to check it would double the cost of ``import accelerate``); otherwise the accessors
     below fail closed at first use: an unrecognised style keeps its module in high precision, named."""
@@ -32,9 +36,9 @@ def check() -> list[str]:
     for name in KNOWN_STYLES:
         cls = getattr(tp, name, None)
         if cls is None:
-            problems.append(f"{_version()}: transformers.distributed.tensor_parallel.{name} is gone")
+            problems.append(f"{_version(versions)}: transformers.distributed.tensor_parallel.{name} is gone")
         elif not hasattr(cls, "install_forward"):
-            problems.append(f"{_version()}: {name}.install_forward is gone (TP forward is installed differently)")
+            problems.append(f"{_version(versions)}: {name}.install_forward is gone (TP forward is installed differently)")
     return problems
 
 

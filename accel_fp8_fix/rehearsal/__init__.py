@@ -1,6 +1,6 @@
 """CPU rehearsal of a GPU FP8 run: Transformer Engine's real Python on CPU plus accelerate's CPU gates.
 
-    ACCEL_FP8_FIX_EMULATE_TE=1 accelerate launch ...     # or: from accel_fp8_fix import rehearsal; rehearsal.install()
+    ACCEL_FP8_FIX_REHEARSAL=1 accelerate launch ...     # or: from accel_fp8_fix import rehearsal; rehearsal.install()
 
 Two parts, both needed to run an FSDP2 / TP FP8 job on CPU processes (gloo):
 

@@ -1,7 +1,7 @@
 """CPU rehearsal gates: make accelerate run its real FSDP2 / ParallelismConfig / TP code on CPU processes.
 
     from accel_fp8_fix.rehearsal import gates
-    gates.activate()      # or ACCEL_FP8_FIX_EMULATE_TE=1, which also puts TE's Python on CPU (see rehearsal/)
+    gates.activate()      # or ACCEL_FP8_FIX_REHEARSAL=1, which also puts TE's Python on CPU (see rehearsal/)
 
 Stock accelerate, on a machine without CUDA, never reaches its FSDP2 or TP code:
 
@@ -162,10 +162,33 @@ def _env_wanted() -> str | None:
     return " + ".join(why) or None
 
 
+def _warn_if_cpu_state_drops(shared: dict, bound: dict) -> None:
+    """A ``PartialState`` created with ``cpu=True`` before this Accelerator — ``TrainingArguments(use_cpu=True)``
+    or ``ACCELERATE_USE_CPU`` — is ``MULTI_CPU``: stock then wraps the model in DDP and drops the FSDP2 plugin
+    (and refuses a sharded ParallelismConfig). One warning naming what is dropped, instead of a silent DDP run."""
+    from accelerate.utils import DistributedType
+
+    reason = _wanted(bound)
+    if (reason is None or shared.get("distributed_type") != DistributedType.MULTI_CPU
+            or bound["deepspeed_plugin"] is not None or _cuda_available()):
+        return
+    _last_decision.clear()
+    _last_decision.update(acted=False, reason=reason, why_not="PartialState created with cpu=True (MULTI_CPU)")
+    from .._log import warn_user
+
+    warn_user(
+        f"accel_fp8_fix rehearsal: the distributed state was created with cpu=True (TrainingArguments(use_cpu=True) "
+        f"or ACCELERATE_USE_CPU) before this Accelerator, so accelerate runs MULTI_CPU (DDP) and drops the {reason} "
+        "of your config: no FSDP2 sharding, accel_fp8_fix's fixes are off and FP8 is not applied by them. Under "
+        "ACCEL_FP8_FIX_REHEARSAL=1 the run is on CPU already: remove use_cpu=True (and ACCELERATE_USE_CPU)")
+
+
 def accelerator_state_init(wrapped, instance, args, kwargs):
     """``AcceleratorState.__init__``: open the backend gate for FSDP2 / sharded-mesh runs on CPU processes."""
     from accelerate.state import PartialState
 
+    if PartialState._shared_state and os.environ.get("LOCAL_RANK") not in (None, "", "-1"):
+        _warn_if_cpu_state_drops(PartialState._shared_state, _state_args(*args, **kwargs))
     if PartialState._shared_state or os.environ.get("LOCAL_RANK") in (None, "", "-1"):
         return wrapped(*args, **kwargs)  # already decided, or not started by a torchrun-style launcher
     bound = _state_args(*args, **kwargs)

@@ -82,28 +82,12 @@ def run_distributed(
     added automatically so test modules are importable). ``audit_collectives=False`` skips the
     collective-order audit (for a function that diverges on purpose).
     """
-    module = fn.__module__
-    qualname = fn.__qualname__
-    if "<locals>" in qualname or module == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
-        raise ValueError(f"run_distributed needs a module-level function, got {module}.{qualname}")
-    paths = list(sys_path or [])
-    mod = sys.modules.get(module)
-    mod_file = getattr(mod, "__file__", None)
-    if mod_file:
-        # Directory from which `module` is importable by its dotted name.
-        root = Path(mod_file).resolve().parent
-        for _ in range(module.count(".")):
-            root = root.parent
-        paths.append(str(root))
-        if module == "__main__":
-            module = Path(mod_file).stem
-
-    port = free_port()
+    module, paths = _importable(fn, sys_path)
     with tempfile.TemporaryDirectory(prefix="accel_fp8_fix_dist_") as tmp:
         tmp = Path(tmp)
         payload = {
             "module": module,
-            "qualname": qualname,
+            "qualname": fn.__qualname__,
             "args": args,
             "sys_path": paths,
             "init_process_group": init_process_group,
@@ -113,77 +97,99 @@ def run_distributed(
             "deadline": time.time() + timeout,  # wall clock: the ranks' imports take part of the timeout
         }
         (tmp / "payload.pkl").write_bytes(pickle.dumps(payload))
-        procs = []
-        for rank in range(world_size):
-            rank_environ = dict(os.environ)
-            rank_environ.update(env or {})
-            rank_environ.update((rank_env or {}).get(rank, {}))
-            rank_environ.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS=rank_environ.get("OMP_NUM_THREADS", "1"),
-                PYTHONUNBUFFERED="1",
-            )
-            log = open(tmp / f"rank{rank}.log", "w+")
-            procs.append(
-                (
-                    subprocess.Popen(
-                        [sys.executable, "-m", "accel_fp8_fix.testing._worker", str(tmp), str(rank)],
-                        env=rank_environ,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    ),
-                    log,
-                )
-            )
+        procs = _start_ranks(tmp, world_size, env, rank_env)
+        timed_out = _wait(procs, timeout)
+        return _collect(procs, tmp, fn.__qualname__, world_size, timeout, timed_out, audit_collectives)
 
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        first_failure_at = None
-        while True:
-            codes = [p.poll() for p, _ in procs]
-            if all(c is not None for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes) and first_failure_at is None:
-                first_failure_at = time.monotonic()
-            # One rank died: give the others a short grace period to report their own error, then stop.
-            if first_failure_at is not None and time.monotonic() - first_failure_at > 10:
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.05)
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
-        reports, results, failed = [], [], False
-        for rank, (p, log) in enumerate(procs):
-            log.seek(0)
-            output = log.read()
-            log.close()
-            result_file = tmp / f"rank{rank}.result"
-            if p.returncode == 0 and result_file.exists():
-                results.append(pickle.loads(result_file.read_bytes()))
-                continue
-            failed = True
-            status = "killed (still running at the deadline)" if p.returncode in (-9,) else f"exit {p.returncode}"
-            reports.append(f"--- rank {rank}: {status} ---\n{_tail(output)}")
-        divergences = _collective_divergences(tmp, world_size) if audit_collectives else []
-        if failed or timed_out:
-            head = f"{qualname} on {world_size} ranks " + (
-                f"timed out after {timeout:.0f}s" if timed_out else "failed"
-            )
-            if divergences:  # a hang is often the divergence itself: name it
-                reports.append("collective order (as far as the ranks recorded it):\n  " + "\n  ".join(divergences))
-            raise DistributedTestError(head + "\n" + "\n".join(reports), divergences)
-        if divergences:
-            raise DistributedTestError(
-                f"{qualname} on {world_size} ranks: the ranks' collectives diverge (gloo completed the run; NCCL "
-                "would hang or corrupt it):\n  " + "\n  ".join(divergences), divergences, results)
-        return results
+def _importable(fn, sys_path) -> tuple[str, list]:
+    """(module name the workers import ``fn`` from, sys.path entries that make it importable)."""
+    module, qualname = fn.__module__, fn.__qualname__
+    if "<locals>" in qualname or module == "__main__" and not hasattr(sys.modules["__main__"], "__file__"):
+        raise ValueError(f"run_distributed needs a module-level function, got {module}.{qualname}")
+    paths = list(sys_path or [])
+    mod_file = getattr(sys.modules.get(module), "__file__", None)
+    if mod_file:
+        # Directory from which `module` is importable by its dotted name.
+        root = Path(mod_file).resolve().parent
+        for _ in range(module.count(".")):
+            root = root.parent
+        paths.append(str(root))
+        if module == "__main__":
+            module = Path(mod_file).stem
+    return module, paths
+
+
+def _start_ranks(tmp: Path, world_size: int, env, rank_env) -> list:
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_environ = {**os.environ, **(env or {}), **(rank_env or {}).get(rank, {})}
+        rank_environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=rank_environ.get("OMP_NUM_THREADS", "1"),
+            PYTHONUNBUFFERED="1",
+        )
+        log = open(tmp / f"rank{rank}.log", "w+")
+        proc = subprocess.Popen([sys.executable, "-m", "accel_fp8_fix.testing._worker", str(tmp), str(rank)],
+                                env=rank_environ, stdout=log, stderr=subprocess.STDOUT)
+        procs.append((proc, log))
+    return procs
+
+
+def _wait(procs: list, timeout: float) -> bool:
+    """Wait for every rank; once one has failed, give the others 10 s to report their own error. Every rank
+    still running at the end is killed. True when the deadline passed."""
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    first_failure_at = None
+    while True:
+        codes = [p.poll() for p, _ in procs]
+        if all(c is not None for c in codes):
+            break
+        if any(c not in (None, 0) for c in codes) and first_failure_at is None:
+            first_failure_at = time.monotonic()
+        if first_failure_at is not None and time.monotonic() - first_failure_at > 10:
+            break
+        if time.monotonic() > deadline:
+            timed_out = True
+            break
+        time.sleep(0.05)
+    for p, _ in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return timed_out
+
+
+def _collect(procs, tmp: Path, qualname: str, world_size: int, timeout: float, timed_out: bool,
+             audit_collectives: bool) -> list:
+    """The ranks' results in rank order, or DistributedTestError with every failed rank's output tail."""
+    reports, results, failed = [], [], False
+    for rank, (p, log) in enumerate(procs):
+        log.seek(0)
+        output = log.read()
+        log.close()
+        result_file = tmp / f"rank{rank}.result"
+        if p.returncode == 0 and result_file.exists():
+            results.append(pickle.loads(result_file.read_bytes()))
+            continue
+        failed = True
+        status = "killed (still running at the deadline)" if p.returncode in (-9,) else f"exit {p.returncode}"
+        reports.append(f"--- rank {rank}: {status} ---\n{_tail(output)}")
+    divergences = _collective_divergences(tmp, world_size) if audit_collectives else []
+    if failed or timed_out:
+        head = f"{qualname} on {world_size} ranks " + (f"timed out after {timeout:.0f}s" if timed_out else "failed")
+        if divergences:  # a hang is often the divergence itself: name it
+            reports.append("collective order (as far as the ranks recorded it):\n  " + "\n  ".join(divergences))
+        raise DistributedTestError(head + "\n" + "\n".join(reports), divergences)
+    if divergences:
+        raise DistributedTestError(
+            f"{qualname} on {world_size} ranks: the ranks' collectives diverge (gloo completed the run; NCCL "
+            "would hang or corrupt it):\n  " + "\n  ".join(divergences), divergences, results)
+    return results

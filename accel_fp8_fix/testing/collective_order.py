@@ -16,7 +16,7 @@ Use it three ways:
   turns it off for one call);
 * a launched job: ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT=DIR accelerate launch ...`` (any process where the
   package's start-up hook runs — one of ``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX``,
-  ``ACCEL_FP8_FIX_EMULATE_TE`` or ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT`` set — or after :func:`install` in the
+  ``ACCEL_FP8_FIX_REHEARSAL`` or ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT`` set — or after :func:`install` in the
   script) writes one file per rank when the process exits; ``python -m accel_fp8_fix.testing.collective_order
   DIR`` checks them (exit 1 naming the divergence);
 * in Python: ``with CollectiveRecorder() as rec: ...`` then ``check({rank: records, ...})``.
@@ -185,6 +185,14 @@ class CollectiveRecorder(_recorder_base()):
     def __init__(self):
         super().__init__()
         self.records: list[Collective] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile's supported opt-in (torch/utils/_python_dispatch.py): without it dynamo skips every frame
+        while the recorder is on ("non-infra torch dispatch mode present", torch/_dynamo/convert_frame.py), so an
+        audited run never compiles. With it the recorder is off while dynamo compiles and on again when the
+        compiled code runs: the collectives still reach it (FSDP2's run eagerly, outside dynamo's graphs)."""
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..distributed.dtensor import is_dtensor
+
 __all__ = ["CollectiveSpy", "CollectiveCall", "PYTHON_OPS"]
 
 # op name -> the argument whose tensor is "the payload" of this rank (what it sends / the buffer it fills)
@@ -100,14 +102,6 @@ def _leaves(obj, out):
         for o in obj.values():
             _leaves(o, out)
     return out
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
 
 
 def _payload(tensors):
@@ -229,7 +223,7 @@ class CollectiveSpy:
                         pass
                 break
         record = CollectiveCall(
-            op=name, layer="python", rank=_rank(), dtensor=any(_is_dtensor(t) for t in every), dtype=dtype,
+            op=name, layer="python", rank=_rank(), dtensor=any(is_dtensor(t) for t in every), dtype=dtype,
             numel=numel, nbytes=nbytes, group_ranks=_ranks_of(group), root=root, depth=_local.depth,
         )
         self._add(record)
@@ -312,7 +306,7 @@ class _DispatchSpy(_dispatch_mode_base()):
     def _record(self, func, namespace, base, types, args, kwargs) -> CollectiveCall:
         everything = _leaves(list(args) + list(kwargs.values()), [])
         first = _leaves(args[0], []) if args else []
-        dtensor = any(_is_dtensor(t) for t in everything) or any(
+        dtensor = any(is_dtensor(t) for t in everything) or any(
             getattr(t, "__name__", "") == "DTensor" for t in types
         )
         dtype, numel, nbytes = _payload(first)

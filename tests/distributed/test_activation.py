@@ -284,11 +284,11 @@ def test_deactivate_before_accelerate_is_imported_means_nothing_is_patched():
 
 
 def test_rehearsal_flag_alone_changes_where_te_comes_from_and_nothing_else(tmp_path):
-    """ACCEL_FP8_FIX_EMULATE_TE=1 + accelerate launch with a config *without* the flag: no worker's accelerate
+    """ACCEL_FP8_FIX_REHEARSAL=1 + accelerate launch with a config *without* the flag: no worker's accelerate
     is patched at start-up (the rehearsal is installed), and the script's own `import accel_fp8_fix` is
     still a way in, exactly as on a GPU."""
     config = _fp8_launch_config(tmp_path, flag=False)
-    env = {**CLEAN_ENV, "ACCEL_FP8_FIX_EMULATE_TE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**CLEAN_ENV, "ACCEL_FP8_FIX_REHEARSAL": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config),
          "--main_process_port", "0", str(HERE / "_activation_probe.py"), str(tmp_path)],

@@ -52,7 +52,6 @@ def test_a_rank_that_never_reports_is_named_after_the_deadline_instead_of_hangin
 def _through_prepare(rank, world_size):
     import torch
 
-    import accel_fp8_fix._api as api
     import accel_fp8_fix.fixes.prepare as prepare_fix
     from accel_fp8_fix.distributed.agreement import PatchSetMismatchError
 
@@ -61,7 +60,7 @@ def _through_prepare(rank, world_size):
 
     assert accel_fp8_fix.report().applied
     if rank == 1:
-        prepare_fix.active_patch_set = lambda: "some-other-set"
+        prepare_fix.calling_patch_set = lambda: "some-other-set"
     accelerator = Accelerator(cpu=True)
     try:
         accelerator.prepare(torch.nn.Linear(4, 4))

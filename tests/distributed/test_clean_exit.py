@@ -41,7 +41,7 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_")) and k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     # the fixes on (the environment way in), FSDP2 on CPU through the rehearsal gates
-    env.update(ACCEL_FP8_FIX="1", ACCEL_FP8_FIX_EMULATE_TE="1", OMP_NUM_THREADS="1")
+    env.update(ACCEL_FP8_FIX="1", ACCEL_FP8_FIX_REHEARSAL="1", OMP_NUM_THREADS="1")
     env.update(extra)
     return env
 
@@ -105,7 +105,7 @@ def test_clean_exit_handler_is_a_no_op_once_undone():
         "print(clean_exit.destroy_at_exit())\n"
         "assert not dist.is_initialized()\n"
     )
-    env = {k: v for k, v in _env().items() if k != "ACCEL_FP8_FIX_EMULATE_TE"}
+    env = {k: v for k, v in _env().items() if k != "ACCEL_FP8_FIX_REHEARSAL"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split() == ["skipped:", "no", "process", "group", "skipped:", "patch", "set", "not", "applied",

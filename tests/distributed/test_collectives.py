@@ -1,8 +1,9 @@
 """accel_fp8_fix.distributed.collectives and accel_fp8_fix.testing.spy, on real gloo ranks.
 
-Two launches: 2 ranks (1-D mesh: the seed error for real, the helper, refusals, variable size, objects,
-the spy) and 4 ranks (2x2 mesh: group_of, global <-> group rank translation, src translation, refusals
-on the sharded dim, a flattened group that is not WORLD).
+Two launches: 2 ranks (1-D mesh: the seed error for real, the public family — broadcast, all_reduce,
+broadcast_variable, broadcast_object, all_gather_object — refusals, variable size, objects, the spy) and
+4 ranks (2x2 mesh: group_of, global <-> group rank translation, src translation, refusals on the sharded
+dim, a flattened group that is not WORLD).
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def two_ranks(rank, world):
     assert any(r.layer == "dispatch" and r.dtensor for r in spy.records), spy.summary()
     _raises(spy.assert_no_dtensor, "a DTensor reached c10d")
 
-    # the helper: local tensor, the DTensor's own mesh group, values on every rank
+    # broadcast: local tensor, the DTensor's own mesh group, values on every rank
     with CollectiveSpy() as spy:
-        C.broadcast_(dt, src=0, name="w")
+        C.broadcast(dt, src=0, name="w")
     assert torch.equal(dt.to_local(), torch.full((3, 4), 1.0)), dt.to_local()
     spy.assert_no_dtensor()
     (call,) = spy.calls("broadcast")
@@ -65,26 +66,37 @@ def two_ranks(rank, world):
     # non-contiguous plain tensor over an explicit group
     base = torch.arange(12.0).reshape(3, 4) * (rank + 1)
     view = base.t()
-    C.broadcast_(view, src=1, group=dist.group.WORLD, name="view")
+    C.broadcast(view, src=1, group=dist.group.WORLD, name="view")
     assert torch.equal(base, torch.arange(12.0).reshape(3, 4) * 2)
 
     # all_reduce on a replicated DTensor; MAX like an amax reduction
     amax = DTensor.from_local(torch.tensor([float(rank), 10.0 - rank]), mesh, [Replicate()], run_check=False)
     with CollectiveSpy() as spy:
-        C.all_reduce_(amax, dist.ReduceOp.MAX, name="amax")
+        C.all_reduce(amax, op=dist.ReduceOp.MAX, name="amax")
     assert amax.to_local().tolist() == [1.0, 10.0]
     assert spy.groups("all_reduce") == [(0, 1)]
     spy.assert_no_dtensor()
 
     # refusals name the tensor
     sharded = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)], run_check=False)
-    out["shard"] = _raises(lambda: C.broadcast_(sharded, name="layers.0.weight"), "'layers.0.weight'", "not a replica")
-    _raises(lambda: C.all_reduce_(sharded, name="layers.0.weight"), "'layers.0.weight'", "not a replica")
-    out["plain"] = _raises(lambda: C.broadcast_(torch.ones(2), name="buf"), "'buf'", "group=")
-    out["meta"] = _raises(lambda: C.broadcast_(torch.ones(2, device="meta"), group=dist.group.WORLD, name="m"),
+    out["shard"] = _raises(lambda: C.broadcast(sharded, dims="dp", name="layers.0.weight"), "'layers.0.weight'",
+                           "not a replica")
+    _raises(lambda: C.all_reduce(sharded, dims="dp", name="layers.0.weight"), "'layers.0.weight'", "not a replica")
+    _raises(lambda: C.broadcast(sharded, group=dist.group.WORLD, name="layers.0.weight"), "'layers.0.weight'",
+            "not a replica")
+    _raises(lambda: C.all_reduce(sharded, group=dist.group.WORLD, name="layers.0.weight"), "'layers.0.weight'",
+            "not a replica")
+    with CollectiveSpy() as spy:  # replicated on no dim (dims=None): left as it is, no collective at all
+        assert C.broadcast(sharded, name="s") is sharded and C.all_reduce(sharded, name="s") is sharded
+    assert not spy.records and torch.equal(sharded.to_local(), torch.ones(2, 4)), spy.summary()
+    out["plain"] = _raises(lambda: C.broadcast(torch.ones(2), name="buf"), "'buf'")
+    assert "group=" in out["plain"] and "not promoted to a DTensor" in out["plain"], out["plain"]
+    _raises(lambda: C.all_reduce(torch.ones(2), group=dist.group.WORLD, dims="dp", name="buf"), "'buf'", "not both")
+    out["meta"] = _raises(lambda: C.broadcast(torch.ones(2, device="meta"), group=dist.group.WORLD, name="m"),
                           "'m'", "meta")
-    out["src"] = _raises(lambda: C.broadcast_(torch.ones(2), src=5, group=dist.group.WORLD, name="b"),
+    out["src"] = _raises(lambda: C.broadcast(torch.ones(2), src=5, group=dist.group.WORLD, name="b"),
                          "'b'", "src=5")
+    _raises(lambda: C.broadcast(torch.ones(2), group_src=2, group=dist.group.WORLD, name="b"), "'b'", "group_src=2")
 
     # variable size: rank 0 sends 37 bytes, rank 1 holds an empty uint8 (TE _extra_state); then an empty one
     payload = torch.frombuffer(bytearray(pickle.dumps({"scale": [1.5] * 3})), dtype=torch.uint8)
@@ -110,8 +122,15 @@ def two_ranks(rank, world):
     assert [c.op for c in top] == ["broadcast_object_list"], spy.summary()
     assert spy.calls("broadcast", top_level=False), "nested broadcasts inside broadcast_object_list"
     _raises(lambda: C.broadcast_object(dt, group=dist.group.WORLD, name="d"), "'d'")
+    _raises(lambda: C.broadcast_variable(dt, group=dist.group.WORLD, name="d"), "'d'")
     gathered = C.all_gather_object(rank * 10, group=dist.group.WORLD)
     assert gathered == [0, 10]
+    with CollectiveSpy() as spy:  # the mesh instead of a group: its dp group
+        assert C.all_gather_object(rank * 10, mesh, "dp") == [0, 10]
+        assert C.broadcast_object("x" if rank == 1 else None, mesh, group_src=1) == "x"
+    assert {c.group_ranks for c in spy.calls(top_level=True)} == {(0, 1)}, spy.summary()
+    _raises(lambda: C.all_gather_object(rank, name="o"), "'o'", "group=")
+    _raises(lambda: C.broadcast_variable(None, name="v"), "'v'", "group=")
 
     # the spy restores everything it wrapped
     assert not hasattr(dist.broadcast, "__wrapped_by_collective_spy__")
@@ -153,30 +172,30 @@ def four_ranks(rank, world):
     t = torch.full((4,), float(rank))
     with CollectiveSpy() as spy:
         if rank in (2, 3):
-            C.broadcast_(t, src=2, group=tp, name="t")
+            C.broadcast(t, src=2, group=tp, name="t")
             assert t.tolist() == [2.0] * 4
         if rank in (1, 3):
             u = torch.full((2,), float(rank))
-            C.broadcast_(u, src=3, group=dp, name="u")
+            C.broadcast(u, src=3, group=dp, name="u")
             assert u.tolist() == [3.0, 3.0]
     for call in spy.calls("broadcast"):
         assert call.group_ranks in ((2, 3), (1, 3)) and call.root in (2, 3), spy.summary()
     if rank == 0:
-        _raises(lambda: C.broadcast_(torch.ones(1), src=1, group=dp, name="v"), "src=1 (a global rank) is not in the group [0, 2]")
-        assert "'v'" in _raises(lambda: C.broadcast_(torch.ones(1), src=1, group=dp, name="v"), "src=1")
+        _raises(lambda: C.broadcast(torch.ones(1), src=1, group=dp, name="v"), "src=1 (a global rank) is not in the group [0, 2]")
+        assert "'v'" in _raises(lambda: C.broadcast(torch.ones(1), src=1, group=dp, name="v"), "src=1")
 
     # 2-D DTensor: Shard on dp, Replicate on tp. Broadcast over tp is fine, over dp / the whole mesh refused.
     local = torch.full((2, 3), float(rank))
     dt = DTensor.from_local(local, mesh, [Shard(0), Replicate()], run_check=False)
     with CollectiveSpy() as spy:
-        C.broadcast_(dt, src=0 if rank < 2 else 2, dims="tp", name="w2d")
+        C.broadcast(dt, dims="tp", src=0 if rank < 2 else 2, name="w2d")
     assert torch.equal(dt.to_local(), torch.full((2, 3), 0.0 if rank < 2 else 2.0))
     spy.assert_no_dtensor()
     assert spy.groups("broadcast") == [(0, 1) if rank < 2 else (2, 3)]
-    msg = _raises(lambda: C.broadcast_(dt, dims="dp", name="w2d"), "'w2d'", "Shard(dim=0)", "dp")
-    _raises(lambda: C.broadcast_(dt, name="w2d"), "not a replica")
-    _raises(lambda: C.broadcast_(dt, group=dist.group.WORLD, name="w2d"), "not a replica")
-    _raises(lambda: C.broadcast_(dt, dims="nope", name="w2d"), "no dim named 'nope'")
+    msg = _raises(lambda: C.broadcast(dt, dims="dp", name="w2d"), "'w2d'", "Shard(dim=0)", "dp")
+    _raises(lambda: C.broadcast(dt, dims=("dp", "tp"), name="w2d"), "not a replica")
+    _raises(lambda: C.broadcast(dt, group=dist.group.WORLD, name="w2d"), "not a replica")
+    _raises(lambda: C.broadcast(dt, dims="nope", name="w2d"), "no dim named 'nope'")
 
     # a flattened group that is not WORLD: dims (b, c) of a (2, 1, 2) mesh -> new groups {0, 1} / {2, 3}
     mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("a", "b", "c"))
@@ -184,7 +203,7 @@ def four_ranks(rank, world):
     assert C.group_ranks(flat) == ((0, 1) if rank < 2 else (2, 3))
     assert C.group_of(mesh3, ("c", "b")) is flat  # cached
     s = torch.tensor([float(rank)])
-    C.all_reduce_(s, mesh=mesh3, dims=("b", "c"), name="s")
+    C.all_reduce(s, mesh3, ("b", "c"), name="s")
     assert s.item() == (1.0 if rank < 2 else 5.0)
     return msg
 
@@ -210,7 +229,21 @@ def test_subgroup_layout_and_dims():
 
 
 def test_helpers_refuse_without_process_group():
-    from accel_fp8_fix.distributed.collectives import CollectiveError, broadcast_
+    """A group kept past ``destroy_process_group``: every collective refuses, naming the tensor."""
+    import torch.distributed as dist
 
-    with pytest.raises(CollectiveError, match="'x'.*no default process group"):
-        broadcast_(torch.ones(1), name="x")
+    from accel_fp8_fix.distributed import collectives as C
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    stale = dist.group.WORLD
+    dist.destroy_process_group()
+    calls = {"broadcast": lambda: C.broadcast(torch.ones(1), group=stale, name="x"),
+             "all_reduce": lambda: C.all_reduce(torch.ones(1), group=stale, name="x"),
+             "all_gather": lambda: C.all_gather(torch.ones(1), group=stale, name="x"),
+             "broadcast_variable": lambda: C.broadcast_variable(torch.ones(1), group=stale, name="x"),
+             "broadcast_object": lambda: C.broadcast_object(1, group=stale, name="x"),
+             "all_gather_object": lambda: C.all_gather_object(1, group=stale, name="x")}
+    for op, call in calls.items():
+        with pytest.raises(C.CollectiveError, match=f"{op} of 'x'.*no default process group"):
+            call()

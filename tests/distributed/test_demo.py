@@ -15,7 +15,7 @@ def _launch(extra_env, audit_dir=None):
     return subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "examples/fsdp2_tp_fp8.yaml"),
          "--main_process_port", "0", str(ROOT / "examples/demo.py"), "2"],
-        env={**ENV, "ACCEL_FP8_FIX_EMULATE_TE": "1", "OMP_NUM_THREADS": "1", **audit, **extra_env},
+        env={**ENV, "ACCEL_FP8_FIX_REHEARSAL": "1", "OMP_NUM_THREADS": "1", **audit, **extra_env},
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
 
@@ -61,6 +61,15 @@ def test_demo_trains_fsdp2_x_tp_in_fp8_with_the_config_flag_only(tmp_path):
 
 
 def test_demo_with_the_patches_off_shows_the_stock_failure():
+    """Exactly the stock failure, on every rank, and nothing else: before, rank 0's exit removed the temporary
+    checkpoint while other ranks still loaded it (FileNotFoundError tracebacks; torchrun's root cause was one)."""
+    import re
+
     proc = _launch({"ACCEL_FP8_FIX": "0"})
     assert proc.returncode != 0
-    assert "prepare() failed: ImportError: cannot import name 'ReplicateParallel'" in proc.stdout
+    out = proc.stdout + proc.stderr
+    failed = re.findall(r"\[rank (\d)\] prepare\(\) failed: (\w+): cannot import name 'ReplicateParallel'", out)
+    assert sorted(failed) == [(str(r), "ImportError") for r in range(4)], out[-4000:]
+    assert "FileNotFoundError" not in out, out[-4000:]
+    # the only other error named is the launcher's own report of the failed children
+    assert set(re.findall(r"\b(\w+(?:Error|Exception))\b", out)) <= {"ImportError", "ChildFailedError"}, out[-4000:]

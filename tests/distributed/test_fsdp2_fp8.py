@@ -130,8 +130,11 @@ def test_conversion_after_sharding_never_allocates_a_full_size_weight():
 
 def test_checkpoint_saved_on_4_ranks_loads_on_2_bit_for_bit(tmp_path):
     saved = F.launch([("sc_checkpoint_save", {"out_dir": str(tmp_path)})], 4)
-    keys = S.facts_of(saved, "sc_checkpoint_save")[0]["keys"]
+    first = S.facts_of(saved, "sc_checkpoint_save")[0]
+    keys = first["keys"]
     assert any(k.endswith("_extra_state") for k in keys) and any(k.endswith("fc1.weight") for k in keys)
+    # the export (get_state_dict's default unwrap=True, what save_model writes): every weight, no FP8 state
+    assert first["export_keys"] == sorted(k for k in keys if not k.endswith("_extra_state"))
     loaded = F.launch([("sc_checkpoint_load", {"out_dir": str(tmp_path)})], 2)
     for f in S.facts_of(loaded, "sc_checkpoint_load"):
         assert f["missing"] == [] and f["mismatched"] == []

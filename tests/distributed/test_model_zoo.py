@@ -10,7 +10,10 @@ The suite runs the layouts that differ per family; ``ACCEL_FP8_FIX_ZOO=full`` ru
 layout (what docs/compatibility.md records).
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -100,6 +103,49 @@ def test_fsdp2_x_tp_checkpoint_round_trips_bit_for_bit(zoo, family, layout):
         assert f.get("checkpoint_load_error") is None, f["checkpoint_load_error"]
         assert f["checkpoint_param_mismatch"] == [] and f["checkpoint_fp8_mismatch"] == []
         assert f["checkpoint_fp8_compared"] > 0 and f["converted"]  # FP8 state (scales, amax histories) too
+
+
+EXPORT_LOAD = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+out = {"imported": sorted(m for m in ("accel_fp8_fix", "transformer_engine") if m in sys.modules)}
+for export in sys.argv[1:]:
+    model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    trained = torch.load(export + ".trained.pt", weights_only=True)
+    state = model.state_dict()
+    out[export] = {
+        "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+        "mismatched": sorted(str(m) for m in info["mismatched_keys"]),
+        "differs": sorted(k for k, t in trained.items() if k not in state or state[k].dtype != t.dtype
+                          or not torch.equal(state[k], t)),
+        "compared": len(trained),
+    }
+out["imported_after"] = sorted(m for m in ("accel_fp8_fix", "transformer_engine") if m in sys.modules)
+print(json.dumps(out))
+"""
+
+
+def test_save_model_exports_what_plain_transformers_loads(zoo, ckpt_dir):
+    """``save_model`` of every FSDP2 x TP family trained in FP8 (after its checkpoint round trip), loaded by
+    plain transformers in a clean process without this package or Transformer Engine: no missing, unexpected
+    (``_extra_state``) or mismatched key, and every weight equal to the trained full weight, dtype included."""
+    exports = []
+    for family, layout in [(f, "fsdp2_tp") for f in Z.FAMILIES if f != "qwen3_moe"] + [("llama", "fsdp2_tp_loaded")]:
+        assert zoo[(family, layout, "fp8")][0].get("checkpoint_load_error") is None
+        exports.append(os.path.join(ckpt_dir, f"{family}-{layout}-export"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_"))}
+    env["ACCEL_FP8_FIX"] = "0"
+    out = subprocess.run([sys.executable, "-c", EXPORT_LOAD, *exports], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["imported"] == [] and got["imported_after"] == [], got
+    for export in exports:
+        r = got[export]
+        assert (r["missing"], r["unexpected"], r["mismatched"], r["differs"]) == ([], [], [], []), (export, r)
+        assert r["compared"] > 10, r
 
 
 def test_a_model_sharded_at_load_with_other_sizes_is_refused_by_name(zoo):

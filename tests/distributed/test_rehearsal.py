@@ -333,7 +333,7 @@ def _accelerate_launch(tmp_path, distributed_type, extra=""):
 
 def test_accelerate_launch_fsdp_config_on_cpu(tmp_path):
     """`accelerate launch` with `distributed_type: FSDP` + `use_cpu: true` (+ a parallelism_config section)
-    starts 2 CPU workers via torchrun; with ACCEL_FP8_FIX_EMULATE_TE=1 (.pth bootstrap in launcher and
+    starts 2 CPU workers via torchrun; with ACCEL_FP8_FIX_REHEARSAL=1 (.pth bootstrap in launcher and
     workers) both run FSDP2 on the dp_shard mesh with TE's real Python on CPU."""
     extra = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
     proc, seen = _accelerate_launch(tmp_path, "FSDP", extra)

@@ -5,6 +5,8 @@ configured for TE's own TP on the same DTensor Parameter objects. Stock behaviou
 A10 ImportError) is asserted in tests/distributed/test_stock_failures.py.
 """
 
+import re
+
 import pytest
 
 import _scenarios as S
@@ -15,9 +17,26 @@ TP_LINEARS = {f"model.layers.{i}.{p}" for i in range(2) for p in (
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
 
 
+TWO_RANK_PLAN = [("sc_tp_fp8_train", {}), ("sc_tp_heads_misfit", {})]
+
+
 @pytest.fixture(scope="module")
-def tp2():
-    return S.facts_of(T.launch([("sc_tp_fp8_train", {})], 2), "sc_tp_fp8_train")
+def two_ranks():
+    return T.launch(TWO_RANK_PLAN, 2)
+
+
+@pytest.fixture(scope="module")
+def tp2(two_ranks):
+    return S.facts_of(two_ranks, "sc_tp_fp8_train")
+
+
+def test_kv_heads_not_divisible_by_tp_size_is_a_named_error_at_prepare(two_ranks):
+    """Before: prepare passed and the first forward failed with a bare ``shape '[4, 16, -1, 16]' is invalid for input of size 512``."""
+    for f in S.facts_of(two_ranks, "sc_tp_heads_misfit"):
+        assert f["where"] == "prepare", f
+        assert f["error"].startswith("ValueError: accel_fp8_fix: tensor parallelism splits the attention heads")
+        assert "num_key_value_heads=1 is not a multiple of tp_size=2" in f["error"]
+        assert "num_attention_heads=4, num_key_value_heads=1" in f["error"] and "LlamaConfig" in f["error"]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +130,22 @@ def test_a_tp_shard_whose_local_dims_misfit_fp8_is_kept_as_a_gpu_would_decide(fo
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-5)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
         assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=2e-2)
+
+
+def test_partial_fp8_warns_once_per_job_at_the_prepare_line(four_ranks):
+    """Six MLP Linears kept (24 per TP rank): one RuntimeWarning, on rank 0 only, pointing at the scenario's own
+    prepare line, with the coverage figure and the first kept modules with reasons. The full conversion (only the
+    output layer kept, by design) warns on no rank."""
+    misfit = S.facts_of(four_ranks, S.key_of([*FOUR_RANK_PLAN], "sc_tp_fp8_train", MISFIT))
+    assert [len(f["coverage_warnings"]) for f in misfit] == [1, 0, 0, 0]
+    (message, filename), = misfit[0]["coverage_warnings"]
+    assert filename == "_tp_scenarios.py", filename
+    assert re.search(r"FP8 covers \d+\.\d% of the model's GEMM parameters: 6 GEMM weight\(s\) stay in high precision "
+                     r"besides the output layer lm_head", message), message
+    assert "model.layers.0.mlp.gate_proj: " in message and "24" in message and "and 3 more" in message
+    assert "ACCEL_FP8_FIX_COVERAGE_WARNING=0" in message
+    full = S.facts_of(four_ranks, S.key_of([*FOUR_RANK_PLAN], "sc_tp_fp8_train", {"dp_shard": 2, "tp": 2}))
+    assert all(f["coverage_warnings"] == [] for f in full)
 
 
 def test_no_dtensor_reaches_c10d_in_prepare_or_training(tp2, fsdp_tp):

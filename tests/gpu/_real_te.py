@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("real Transformer Engine tests need a CUDA GPU (torch.cuda.is_available() is False)",
                 allow_module_level=True)
-if os.environ.get("ACCEL_FP8_FIX_EMULATE_TE", "").strip().lower() not in ("", "0", "false", "no", "off"):
-    pytest.skip("ACCEL_FP8_FIX_EMULATE_TE is set: that is the CPU rehearsal, not real Transformer Engine kernels",
+if os.environ.get("ACCEL_FP8_FIX_REHEARSAL", "").strip().lower() not in ("", "0", "false", "no", "off"):
+    pytest.skip("ACCEL_FP8_FIX_REHEARSAL is set: that is the CPU rehearsal, not real Transformer Engine kernels",
                 allow_module_level=True)
 te = pytest.importorskip("transformer_engine.pytorch", reason="real Transformer Engine is not installed")
 if not getattr(sys.modules.get("transformer_engine_torch"), "__name__", "").startswith("transformer_engine"):

@@ -1,7 +1,7 @@
 """FSDP2 / TP + FP8 on REAL NVIDIA Transformer Engine (one CUDA GPU, world size 1, in-process NCCL).
 
 Skipped, with the reason, where CUDA is unavailable, where ``transformer_engine`` is not importable, where it
-runs on accel_fp8_fix's CPU kernel shim (the rehearsal, ``ACCEL_FP8_FIX_EMULATE_TE``), or where the GPU cannot
+runs on accel_fp8_fix's CPU kernel shim (the rehearsal, ``ACCEL_FP8_FIX_REHEARSAL``), or where the GPU cannot
 run FP8 (Transformer Engine says why). See tests/gpu/README.md.
 
 * ``test_fsdp2_prepare_converts_after_sharding_and_trains_in_fp8``: a real ``Accelerator(mixed_precision=
@@ -26,8 +26,8 @@ if not torch.cuda.is_available():
     pytest.skip("real Transformer Engine tests need a CUDA GPU (torch.cuda.is_available() is False)",
                 allow_module_level=True)
 
-if os.environ.get("ACCEL_FP8_FIX_EMULATE_TE", "").strip().lower() not in ("", "0", "false", "no", "off"):
-    pytest.skip("ACCEL_FP8_FIX_EMULATE_TE is set: that is the CPU rehearsal, not real Transformer Engine kernels "
+if os.environ.get("ACCEL_FP8_FIX_REHEARSAL", "").strip().lower() not in ("", "0", "false", "no", "off"):
+    pytest.skip("ACCEL_FP8_FIX_REHEARSAL is set: that is the CPU rehearsal, not real Transformer Engine kernels "
                 "(unset it to run these tests)", allow_module_level=True)
 
 transformer_engine = pytest.importorskip(

@@ -144,7 +144,7 @@ def dry_run(built, tmp_path_factory):
         _kit_missing(f"the kit's build venv ({python}) is gone: python -m gpu_kit build")
     work = tmp_path_factory.mktemp("gpu_kit_work")
     env = dict(os.environ, GPU_KIT_WORK=str(work))
-    for variable in ("ACCEL_FP8_FIX", "ACCELERATE_FP8_ACCEL_FP8_FIX", "ACCEL_FP8_FIX_EMULATE_TE", "PYTHONPATH"):
+    for variable in ("ACCEL_FP8_FIX", "ACCELERATE_FP8_ACCEL_FP8_FIX", "ACCEL_FP8_FIX_REHEARSAL", "PYTHONPATH"):
         env.pop(variable, None)
     done = subprocess.run([str(python), "-m", "gpu_kit", "install", "--all-wheelhouse"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)

@@ -208,7 +208,7 @@ def _config(tmp_path, drop=(), **changes):
 
 
 def test_doctor_launch_three_configs_three_verdicts(tmp_path):
-    demo = check_launch_config(str(ROOT / "examples/fsdp2_tp_fp8.yaml"), environ={"ACCEL_FP8_FIX_EMULATE_TE": "1"})
+    demo = check_launch_config(str(ROOT / "examples/fsdp2_tp_fp8.yaml"), environ={"ACCEL_FP8_FIX_REHEARSAL": "1"})
     assert demo.ok and demo.failed == [], str(demo)
     no_flag = check_launch_config(_config(tmp_path, drop=("fp8_config.accel_fp8_fix",)), environ={})
     assert not no_flag.ok and no_flag.failed == ["activation"]
@@ -222,7 +222,7 @@ def test_doctor_launch_three_configs_three_verdicts(tmp_path):
 
 
 def test_doctor_launch_other_checks(tmp_path):
-    env = {"ACCEL_FP8_FIX_EMULATE_TE": "1"}
+    env = {"ACCEL_FP8_FIX_REHEARSAL": "1"}
     bf16 = check_launch_config(_config(tmp_path, mixed_precision="bf16"), environ=env)
     assert bf16.failed == ["mixed_precision"]
     fsdp1 = _config(tmp_path, fsdp_config={"fsdp_version": 1})
@@ -240,7 +240,7 @@ def test_doctor_launch_other_checks(tmp_path):
 def test_doctor_cli(tmp_path):
     def run(*args):
         return subprocess.run([sys.executable, "-m", "accel_fp8_fix", "doctor", *args], capture_output=True,
-                              text=True, env={**ENV, "ACCEL_FP8_FIX_EMULATE_TE": "1"}, timeout=120, cwd=ROOT)
+                              text=True, env={**ENV, "ACCEL_FP8_FIX_REHEARSAL": "1"}, timeout=120, cwd=ROOT)
 
     ok = run("--launch", "examples/fsdp2_tp_fp8.yaml")
     assert ok.returncode == 0 and "verdict: WILL RUN Transformer Engine FP8 with accel_fp8_fix" in ok.stdout
@@ -272,11 +272,20 @@ def test_diagnostic_patches_apply_with_the_set():
         assert status[target] == "applied", status
 
 
-def test_patched_wrappers_note_the_same_exception_and_never_replace_it():
-    """The wrappers of patches/*.toml and the patched prepare: a known error leaves with a note, unchanged;
-    an unknown one leaves untouched; a broken accelerator object does not turn the error into another."""
-    from accel_fp8_fix.fixes import prepare as fix_prepare
+def _declared_wrappers():
+    """{notes label: the wrapper the engine builds for it} for every patch of the fix set declaring notes."""
+    from accel_fp8_fix.engine.declarations import load_patch_sets
+    from accel_fp8_fix.engine.engine import Engine
 
+    (fix_set,) = [s for s in load_patch_sets() if s.kind == "fix"]
+    engine = Engine(fix_set)
+    return {spec.notes: engine.wrapper_for(spec) for spec in fix_set.patches if spec.notes}
+
+
+def test_declared_notes_hooks_note_the_same_exception_and_never_replace_it():
+    """Every patch of patches/*.toml declaring ``notes``, called through the wrapper the engine builds from the
+    declaration (the fix plus the set's on_error hook): a known error leaves with a note, unchanged; an
+    unknown one leaves untouched; a broken accelerator object does not turn the error into another."""
     original = RuntimeError(MIXED)
 
     def wrapped(*args, **kwargs):
@@ -285,28 +294,38 @@ def test_patched_wrappers_note_the_same_exception_and_never_replace_it():
     model = nn.Linear(16, 16)
     accelerator = SimpleNamespace(_accel_fp8_fix_agreed=True, fp8_backend=None, _models=[model],
                                   state=SimpleNamespace(fsdp_plugin=None))
-    cases = [
-        (fix_prepare.prepare, (model,), "(Accelerator.prepare)"),
-        (notes.backward, (), "(Accelerator.backward)"),
-        (notes.clip_grad_norm_, (), "(Accelerator.clip_grad_norm_)"),
-        (notes.save_state, (), "(Accelerator.save_state)"),
-        (notes.load_state, (), "(Accelerator.load_state)"),
-        (notes.optimizer_step, (), "(optimizer.step)"),
-    ]
-    for wrapper, args, where in cases:
+    wrappers = _declared_wrappers()
+    assert set(wrappers) == {"Accelerator.prepare", "Accelerator.backward", "Accelerator.clip_grad_norm_",
+                             "Accelerator.save_state", "Accelerator.load_state", "optimizer.step"}
+    for where, wrapper in wrappers.items():
         original.__notes__ = []
         setattr(original, notes.NOTED, False)
         with pytest.raises(RuntimeError) as info:
-            wrapper(wrapped, accelerator, args, {})
+            wrapper(wrapped, accelerator, (model,) if where == "Accelerator.prepare" else (), {})
         assert info.value is original and str(info.value) == MIXED
-        assert len(original.__notes__) == 1 and where in original.__notes__[0], (where, original.__notes__)
+        assert len(original.__notes__) == 1 and f"({where})" in original.__notes__[0], (where, original.__notes__)
     with pytest.raises(RuntimeError) as info:  # no _models on this object: the error is still the original
-        notes.backward(wrapped, object(), (), {})
+        wrappers["Accelerator.backward"](wrapped, object(), (), {})
     assert info.value is original
 
     def other(*args, **kwargs):
         raise OSError("disk full")
 
     with pytest.raises(OSError) as info:
-        notes.save_state(other, accelerator, (), {})
+        wrappers["Accelerator.save_state"](other, accelerator, (), {})
     assert not hasattr(info.value, "__notes__")
+
+
+def test_a_failing_on_error_hook_never_replaces_the_error():
+    from accel_fp8_fix.engine.declarations import PatchSpec
+    from accel_fp8_fix.engine.engine import with_hooks
+
+    def broken_hook(exc, where, instance, args):
+        raise KeyError("hook bug")
+
+    def wrapped():
+        raise ValueError("user error")
+
+    spec = PatchSpec(target="m:f", notes="f")
+    with pytest.raises(ValueError, match="user error"):
+        with_hooks(spec, None, on_error=broken_hook)(wrapped, None, (), {})

@@ -113,7 +113,10 @@ def test_declarations_shipped_in_repo_parse_and_do_not_overlap():
     [
         ({"name": "x", "patch": []}, "declares no patch"),
         ({"name": "x", "patch": [{"target": "nocolon", "wrapper": "a:b"}]}, "must look like"),
-        ({"name": "x", "patch": [{"target": "a:b"}]}, "lacks 'wrapper'"),
+        ({"name": "x", "patch": [{"target": "a:b"}]}, r"needs a wrapper or notes"),
+        ({"name": "x", "patch": [{"target": "a:b", "notes": "b"}]}, "declares no on_error"),
+        ({"name": "x", "on_error": "nocolon", "patch": [{"target": "a:b", "notes": "b"}]}, "must look like"),
+        ({"name": "x", "patch": [{"target": "a:b", "wrapper": "a:c", "on_return": "x"}]}, "must look like"),
         ({"name": "x", "kind": "other", "patch": [{"target": "a:b", "wrapper": "a:b"}]}, "kind must be"),
         ({"name": "x", "requires": {"accelerate": "~~1"}, "patch": [{"target": "a:b", "wrapper": "a:b"}]}, "invalid"),
     ],
@@ -152,6 +155,21 @@ def test_apply_wraps_with_our_marker_and_undo_restores_the_exact_object(fresh_ta
     assert fresh_targets.Engine.__dict__["run"] is original_run
     assert fresh_targets.helper is original_helper
     assert fresh_targets.Engine().run(3, scale=2) == 6
+
+
+def test_a_signature_list_accepts_any_release_of_the_window(fresh_targets):
+    """One declaration per window: releases that spell the same parameters differently (1.15 annotates the
+    return, 1.13 does not) are listed; anything else is refused, naming every accepted one."""
+    ok = Engine(make_set([{"target": RUN, "wrapper": "_engine_targets:double_result",
+                           "signature": ["(self, y)", "(self, x, *, scale=1)"]}]))
+    ok.activate(strict=True)
+    assert fresh_targets.Engine().run(3, scale=2) == 12
+    ok.deactivate()
+    bad = Engine(make_set([{"target": RUN, "wrapper": "_engine_targets:double_result",
+                            "signature": ["(self, y)", "(self, z)"]}]))
+    with pytest.raises(PatchError, match=r"expected \(self, y\) or \(self, z\), found \(self, x, \*, scale=1\)"):
+        bad.apply()
+    assert not isinstance(fresh_targets.Engine.__dict__["run"], FixWrapper)
 
 
 def test_activate_twice_patches_once(fresh_targets):

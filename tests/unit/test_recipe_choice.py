@@ -116,7 +116,7 @@ def test_accelerate_launch_exports_the_config_files_recipe_key(tmp_path):
         """))
     script = tmp_path / "show.py"
     script.write_text("import os; print('RECIPE=' + os.environ.get('ACCELERATE_FP8_RECIPE', '-'))\n")
-    env = {**os.environ, "ACCEL_FP8_FIX_EMULATE_TE": "1"}
+    env = {**os.environ, "ACCEL_FP8_FIX_REHEARSAL": "1"}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert "RECIPE=current" in proc.stdout, proc.stderr[-2000:]

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from accel_fp8_fix.fixes import recipes
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "accel_fp8_fix"
 DEMO = ROOT / "examples/fsdp2_tp_fp8.yaml"
-REHEARSAL = {"ACCEL_FP8_FIX_EMULATE_TE": "1"}
+REHEARSAL = {"ACCEL_FP8_FIX_REHEARSAL": "1"}
 CLEAN_ENV = {k: v for k, v in os.environ.items()
              if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_FP8_", "ACCELERATE_MIXED"))}
 
@@ -342,3 +343,27 @@ def test_doctor_launch_with_recipe_settings_imports_neither_torch_nor_accelerate
                           env=CLEAN_ENV)  # (the rehearsal's start-up hook would import torch itself)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['FP8 recipe'] []", proc.stdout
+
+
+def test_the_old_rehearsal_name_still_works_with_one_warning(monkeypatch):
+    monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.delenv("RANK", raising=False)
+    old = {"ACCEL_FP8_FIX_EMULATE_TE": "1"}
+    with pytest.warns(FutureWarning, match="ACCEL_FP8_FIX_EMULATE_TE is deprecated; set ACCEL_FP8_FIX_REHEARSAL"):
+        assert settings.get(settings.REHEARSAL, old) is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert settings.get(settings.REHEARSAL, old) is True  # once per process
+        assert settings.get(settings.REHEARSAL, {**old, settings.REHEARSAL: "0"}) is False  # the new name wins
+        assert settings.get(settings.REHEARSAL, {}) is None
+    with pytest.raises(ValueError, match="ACCEL_FP8_FIX_EMULATE_TE='banana'"):
+        settings.get(settings.REHEARSAL, {"ACCEL_FP8_FIX_EMULATE_TE": "banana"})
+
+
+def test_the_old_rehearsal_name_starts_the_rehearsal_at_start_up():
+    out = subprocess.run([sys.executable, "-c", "import accel_fp8_fix.rehearsal as r; "
+                          "print('installed' if r.is_installed() else 'not installed')"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**CLEAN_ENV, "ACCEL_FP8_FIX_EMULATE_TE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1:] == ["installed"] and out.stderr.count("is deprecated") == 1, (out.stdout, out.stderr)

@@ -387,10 +387,51 @@ def _backward_with_mode(original, mode):
     return _engine_run_backward
 
 
+def _codes(obj, seen: set):
+    """The code objects of a function / class defined here, and those nested in them (closures such as
+    ``_scoped``'s ``scoped``, ``_per_caller``'s ``fget``)."""
+    if isinstance(obj, type):
+        for value in vars(obj).values():
+            parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+            for part in parts:
+                yield from _codes(getattr(part, "__func__", part), seen)
+        return
+    code = getattr(obj, "__code__", None)
+    stack = [code] if isinstance(code, types.CodeType) else []
+    while stack:
+        code = stack.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        yield code
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _skip_dynamo_frames() -> int:
+    """Keep torch.compile from compiling this module's functions as frames of their own, as it never does for
+    torch's own Python (dynamo's skip list). Called from eager code inside a compiled region — a frame dynamo
+    fell back to — the mode's ``__torch_function__`` was compiled per call and its cached code reused for
+    another ``func``: dynamo installs no guard on a method-wrapper argument (torch/_dynamo/variables/builder.py,
+    the ``types.MethodWrapperType`` branch), so the code compiled for ``Tensor.shape.__get__`` answered
+    ``tensor.device`` with a ``torch.Size``. Only the frame-level decision changes: dynamo still inlines the mode
+    when it traces a frame that runs under it. Returns how many code objects were marked."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # pragma: no cover - a torch without dynamo
+        return 0
+    seen: set = set()
+    for value in list(globals().values()):
+        if getattr(value, "__module__", None) == __name__ and (isinstance(value, type) or callable(value)):
+            for code in _codes(value, seen):
+                skip_code(code)
+    return len(seen)
+
+
 def install() -> None:
     """Idempotent. Patches ``torch.cuda`` queries (scoped to TE callers) and enters the mode."""
     if _state["installed"]:
         return
+    _skip_dynamo_frames()
     saved = {}
     for name, answer in _te_answers().items():
         original, scoped = _scoped(name, answer)

@@ -1,0 +1,92 @@
+"""When the FP8 all-gather (fixes/fp8_all_gather.py) is asked for, and whether it can run — torch-free, so that
+``accel-fp8-fix doctor --launch`` and ``te_recipe_kwargs`` refuse what ``prepare`` would refuse, with the same words.
+"""
+
+from __future__ import annotations
+
+ENV = "ACCELERATE_FP8_ALL_GATHER"
+CHOICES = {
+    "high_precision": "FSDP2 all-gathers weights in its mixed-precision policy's param_dtype (stock)",
+    "fp8": "FSDP2 all-gathers the converted TE Linear weights as FP8 (+ one scale each), quantized on the shard",
+}
+SERVED_RECIPES = ("DelayedScaling", "Float8CurrentScaling")
+REFUSED_RECIPES = {
+    "MXFP8BlockScaling": "its 1x32 block scales are per row on the row-wise data and per column on the "
+                         "column-wise data, so the transposed copy for dgrad cannot be derived from gathered "
+                         "row-wise bytes; TE's MXFP8Tensor FSDP2 hooks exist only for quantized_model_init",
+    "NVFP4BlockScaling": "FP4 data with 1x16 block scales and a second-level per-tensor scale, plus random "
+                         "Hadamard transforms on the column-wise path; TE's hooks exist only for quantized_model_init",
+    "Float8BlockScaling": "its 128x128 weight tiles would have to line up with every FSDP2 shard boundary "
+                          "(each rank's rows a multiple of 128) and the gathered scale grid be re-assembled; "
+                          "not implemented",
+}
+
+
+class Fp8AllGatherError(ValueError):
+    """The FP8 all-gather was asked for where it cannot run (named: the setting, the reason, the fix)."""
+
+
+def requested(handler=None) -> tuple[bool, str]:
+    """(on?, the setting that said so): ``te_recipe_kwargs(all_gather=...)`` first, then the environment."""
+    from .. import settings
+    from .recipes import all_gather_choice
+
+    value = all_gather_choice(handler)
+    if value is not None:
+        return value == "fp8", "te_recipe_kwargs(all_gather)"
+    value = settings.get(ENV)
+    return value == "fp8", f"fp8_config `all_gather` / {ENV}"
+
+
+def refusal(recipe=None, *, is_fsdp2: bool, cpu_offload: bool = False, versions=None) -> str | None:
+    """Why the FP8 all-gather cannot be served (None: it can). Used at prepare and by ``doctor --launch``."""
+    if not is_fsdp2:
+        return ("it needs FSDP2 (fsdp_version: 2): without FSDP2 no weight is all-gathered (plain TP or DDP keep "
+                "whole weights on each rank)")
+    if cpu_offload:
+        return "FSDP2 CPU offload copies the offloaded shard to the device as a plain tensor, without the hooks"
+    name = type(recipe).__name__ if recipe is not None and not isinstance(recipe, str) else recipe
+    if name in REFUSED_RECIPES:
+        return f"the {name} recipe: {REFUSED_RECIPES[name]}"
+    if name is not None and name not in SERVED_RECIPES:
+        return f"the {name} recipe is not one it serves ({', '.join(SERVED_RECIPES)})"
+    if versions is not None:
+        from ..internals.transformer_engine import fp8_all_gather_missing
+
+        missing = fp8_all_gather_missing(versions)
+        if missing:
+            return "the installed Transformer Engine lacks what it needs: " + "; ".join(missing)
+    return None
+
+
+def _recipe_class_name(handler) -> str:
+    """The TE recipe class the handler asks for, by name (no TE import, no support check: refused by name first)."""
+    from .recipes import RECIPES, check_handler
+
+    choice, _setting = check_handler(handler)
+    return RECIPES[choice][0] if isinstance(choice, str) else type(choice).__name__
+
+
+def _offloaded(plugin) -> bool:
+    offload = getattr(plugin, "cpu_offload", None)
+    return type(offload).__name__ == "CPUOffloadPolicy" or bool(getattr(offload, "offload_params", False))
+
+
+def check_request(accelerator) -> bool:
+    """At prepare, before anything is sharded or converted: True when the FP8 all-gather is asked for and can run;
+    raises ``Fp8AllGatherError`` naming the setting and the reason when it is asked for and cannot."""
+    from ..engine.versions import installed_version
+    from ..internals.accelerate_internals import recipe_handler
+
+    handler = recipe_handler(accelerator)
+    on, setting = requested(handler)
+    if not on:
+        return False
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    versions = {"transformer-engine": installed_version("transformer-engine")}
+    why = refusal(_recipe_class_name(handler), is_fsdp2=bool(accelerator.is_fsdp2), versions=versions,
+                  cpu_offload=_offloaded(plugin))
+    if why is not None:
+        raise Fp8AllGatherError(f"accel_fp8_fix: {setting}=fp8 (FP8 all-gather) cannot run: {why}. Remove the "
+                                "setting (or set it to high_precision); nothing was changed")
+    return True

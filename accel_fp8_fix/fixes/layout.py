@@ -1,0 +1,113 @@
+"""Parallelism layouts accelerate refuses, refused here with the layout to use instead (fix id ``layout``).
+
+accelerate 1.13-1.15 refuses some combinations of ``ParallelismConfig`` sizes, with messages that do not name a
+layout that works (``dp_replicate x tp`` without ``dp_shard``: "set dp_replicate_size == 1 and dp_shard_size > 1 to
+compose HSDP + TP/CP" — HSDP needs ``dp_replicate > 1``). :func:`refused_layout` names the refusal and the layout to
+use instead; the doctor (``accel-fp8-fix doctor --launch``) and ``Accelerator()`` / ``ParallelismConfig()`` (the
+patches below, before accelerate's own checks run) say the same thing. Imports neither torch nor accelerate.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def _product(sizes: dict) -> str:
+    return " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1) or "all 1"
+
+
+def _config_lines(sizes: dict) -> str:
+    return ", ".join(f"parallelism_config_{k}_size: {v}" for k, v in sizes.items() if v > 1 or k == "dp_replicate")
+
+
+def _replicate_without_shard(s: dict, fsdp: bool) -> tuple[str, str]:
+    r, model = s["dp_replicate"], {k: s[k] for k in ("tp", "cp", "sp")}
+    what = " x ".join(f"{k} {v}" for k, v in model.items() if v > 1)
+    if what:
+        reason = (f"dp_replicate {r} x {what} without dp_shard: accelerate refuses tensor / context parallelism over "
+                  "plain replicated data parallelism (its message points at a layout HSDP cannot be)")
+    else:
+        reason = f"FSDP with dp_replicate {r} and dp_shard 1: accelerate refuses FSDP with no dimension to shard across"
+    fsdp2 = {**s, "dp_replicate": 1, "dp_shard": r}
+    instead = (f"{_product(fsdp2)} (FSDP2{' x ' + what if what else ''} on the same {math.prod(s.values())} processes: "
+               f"{_config_lines(fsdp2)}; distributed_type: FSDP, fsdp_version: 2)")
+    if r >= 4 and r % 2 == 0:
+        hsdp = {**s, "dp_replicate": r // 2, "dp_shard": 2}
+        instead += f", or {_product(hsdp)} (HSDP{' x ' + what if what else ''}: {_config_lines(hsdp)})"
+    return reason, instead
+
+
+def refused_layout(sizes: dict, fsdp: bool | None = None, processes: int | None = None) -> tuple[str, str] | None:
+    """``(what accelerate refuses, the layout to use instead)`` for these ``ParallelismConfig`` sizes (missing: 1),
+    with FSDP on or off (``None``: not known yet) on ``processes`` processes (``None``: not known); ``None`` when
+    accelerate takes the layout."""
+    s = {k: int(sizes.get(k) or 1) for k in SIZE_KEYS}
+    total = math.prod(s.values())
+    model_parallel = s["tp"] > 1 or s["cp"] > 1
+    if s["dp_replicate"] > 1 and s["dp_shard"] == 1 and (model_parallel or (fsdp and s["cp"] == 1)):
+        return _replicate_without_shard(s, bool(fsdp))
+    if fsdp and total > 1 and s["dp_shard"] == 1 and s["cp"] == 1:
+        tp = s["tp"]
+        instead = f"tp {tp} without FSDP (ParallelismConfig(tp_size={tp}), no fsdp_config: distributed_type MULTI_GPU)"
+        if tp >= 4 and tp % 2 == 0:
+            instead += f", or dp_shard 2 x tp {tp // 2} (FSDP2 x TP: parallelism_config_dp_shard_size: 2, parallelism_config_tp_size: {tp // 2})"
+        return (f"FSDP with {_product(s)} and dp_shard 1: accelerate refuses FSDP with no dimension to shard across",
+                instead)
+    if processes and total > 1 and total != processes:
+        rest = total // s["dp_shard"]
+        instead = f"num_processes {total}"
+        if processes % rest == 0:
+            fitted = {**s, "dp_shard": processes // rest}
+            instead += f", or {_product(fitted)} on {processes} processes (parallelism_config_dp_shard_size: {fitted['dp_shard']})"
+        return (f"{_product(s)} multiplies to {total} but {processes} processes run: accelerate refuses the mismatch",
+                instead)
+    return None
+
+
+def _message(refusal: tuple[str, str]) -> str:
+    reason, instead = refusal
+    return f"accel_fp8_fix: {reason}. Use {instead}."
+
+
+def _env_sizes(environ) -> dict:
+    return {k: environ.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE") for k in SIZE_KEYS}
+
+
+def check_accelerator_kwargs(kwargs: dict, environ=None) -> None:
+    """At ``Accelerator(...)``, before accelerate builds its state: the ``ParallelismConfig`` (given, or the one
+    accelerate would build from the environment), FSDP on or off, and the process count; raises ``ValueError`` with
+    the layout to use instead of a combination accelerate refuses."""
+    environ = os.environ if environ is None else environ
+    pc = kwargs.get("parallelism_config")
+    if pc is not None:
+        sizes = {k: getattr(pc, f"{k}_size", 1) for k in SIZE_KEYS}
+    elif str(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true":
+        sizes = _env_sizes(environ)
+    else:
+        return
+    fsdp = kwargs.get("fsdp_plugin") is not None or str(environ.get("ACCELERATE_USE_FSDP", "false")).lower() == "true"
+    try:
+        processes = int(environ.get("WORLD_SIZE", "0")) or None
+    except ValueError:
+        processes = None
+    refusal = refused_layout(sizes, fsdp=fsdp, processes=processes)
+    if refusal is not None:
+        raise ValueError(_message(refusal))
+
+
+def parallelism_config_post_init(wrapped, instance, args, kwargs):
+    """``ParallelismConfig.__post_init__``: a size combination accelerate refuses here (``dp_replicate x tp`` or
+    ``x cp`` without ``dp_shard``) raises with the layout to use instead, before accelerate's own message."""
+    sizes = {k: getattr(instance, f"{k}_size", None) for k in SIZE_KEYS}
+    env = _env_sizes(os.environ)
+    sizes = {k: (v if v is not None else env[k]) for k, v in sizes.items()}
+    try:
+        refusal = refused_layout(sizes, fsdp=None)
+    except (TypeError, ValueError):  # a size that is not a number: accelerate's own check names it
+        refusal = None
+    if refusal is not None:
+        raise ValueError(_message(refusal))
+    return wrapped(*args, **kwargs)

@@ -1,0 +1,75 @@
+"""torch internals outside FSDP2's parameter records (``torch_fsdp2``): DTensor's ``_StridedShard``, the composable
+APIs' per-module ``_State``, ``CheckpointWrapper``'s private module, c10d's default store, and the tensor
+globals a torch pickle names.
+
+- ``torch.distributed.tensor.placement_types._StridedShard``: recognised by class name (never imported);
+- ``torch.distributed._composable_state._State``: FSDP2's / replicate's per-module state (TE caches it on
+  its modules as ``_te_cached_parent_fsdp_state``), never walked as a module's own state;
+- ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper`` (accelerate's FSDP2
+  ``activation_checkpointing``; its ``checkpoint_fn``);
+- ``torch.distributed.distributed_c10d._get_default_store()`` (the default group's key-value store);
+- ``torch._utils._rebuild_tensor_v2`` / ``torch.storage._load_from_bytes``: the globals a pickled tensor names
+  (TE's extra state), for a restricted unpickler.
+"""
+
+from __future__ import annotations
+
+STRIDED_SHARD = "_StridedShard"
+_COMPOSABLE_STATE = ("torch.distributed._composable_state", "_State")
+_CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+# (file under torch/, text that must be in it): read, not imported.
+_SOURCES = (
+    ("distributed/tensor/placement_types.py", f"class {STRIDED_SHARD}("),
+    ("distributed/_composable_state.py", "class _State"),
+    ("distributed/algorithms/_checkpoint/checkpoint_wrapper.py", "class CheckpointWrapper("),
+    ("distributed/algorithms/_checkpoint/checkpoint_wrapper.py", "self.checkpoint_fn"),
+    ("distributed/distributed_c10d.py", "def _get_default_store("),
+    ("_utils.py", "def _rebuild_tensor_v2("),
+    ("storage.py", "def _load_from_bytes("),
+)
+
+
+def check(versions) -> list[str]:
+    from . import check_sources
+
+    return check_sources("torch", versions, _SOURCES)
+
+
+def is_strided_shard(placement) -> bool:
+    """``placement`` is DTensor's ``_StridedShard`` (a shard of a shard: FSDP2 over TP, or TP's packed layout)."""
+    return type(placement).__name__ == STRIDED_SHARD
+
+
+def is_composable_state(obj) -> bool:
+    """``obj`` is a composable API's (FSDP2's, replicate's) per-module state."""
+    module, name = _COMPOSABLE_STATE
+    return any(c.__name__ == name and c.__module__ == module for c in type(obj).__mro__)
+
+
+def checkpoint_wrapper_type():
+    """torch's ``CheckpointWrapper`` class (``()`` when this torch has none: ``isinstance`` is then False)."""
+    import importlib
+
+    try:
+        return importlib.import_module(_CHECKPOINT_WRAPPER_MODULE).CheckpointWrapper
+    except (ImportError, AttributeError):  # pragma: no cover
+        return ()
+
+
+def default_store():
+    """The default process group's key-value store."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def pickled_tensor_globals(load_storage) -> dict:
+    """{(module, name): callable} for the globals a pickled tensor names: ``_rebuild_tensor_v2`` itself and
+    ``load_storage(data)`` standing in for ``torch.storage._load_from_bytes`` (which loads with
+    ``weights_only=False``)."""
+    import torch
+
+    return {
+        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+        ("torch.storage", "_load_from_bytes"): load_storage,
+    }

@@ -1,0 +1,266 @@
+"""Transformer Engine internals and version forks: every TE name this package reaches that TE does not export
+(private modules, module-level functions, module globals it swaps), and every fork between TE releases,
+decided once per installed TE (as Megatron-core's ``fp8_utils.py`` keeps its TE version decisions in one
+module).
+
+- autocast: ``te.autocast(recipe=, amax_reduction_group=)`` (TE 2.9+) or ``te.fp8_autocast(fp8_recipe=,
+  fp8_group=)`` (older) — :func:`autocast_factory`;
+- ``FP8GlobalStateManager`` and the ``check_*_support`` functions: in ``transformer_engine.pytorch.quantization``
+  (TE 2.9+) or ``.fp8`` (older) — :func:`fp8_global_state`, :func:`support_check`;
+- ``transformer_engine.pytorch.utils.get_device_compute_capability`` — :func:`device_compute_capability`;
+- ``transformer_engine.pytorch.distributed.checkpoint`` (the FP8-aware activation checkpoint) —
+  :func:`fp8_checkpoint`;
+- the extra-state pickle guard (TE 2.18+, ``transformer_engine.pytorch._extra_state``:
+  ``extra_state_pickle_advisory``, ``_classify_extra_state_pickle``, ``_PickledExtraStateAction``) and the
+  temporary swap of ``module/base.py``'s ``should_load_extra_state_pickle`` / ``pickle`` globals that lets TE's
+  own ``set_extra_state`` apply an already decoded payload — :func:`pickle_advisory`, :func:`ignores_extra_state`,
+  :func:`has_pickle_guard`, :func:`loading_decoded`;
+- ``GEMMS_PER_MODULE``: TE's ``num_gemms`` per forward of a module class (``init_fp8_metadata``).
+
+Nothing here imports TE at import time; each fork is resolved on first use and kept. :func:`check` reads TE's
+source (importing TE loads its CUDA libraries) when the patch set is applied: a name that is gone refuses
+the set, naming it and the installed TE version. TE not installed: nothing to check (TE is optional).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Mapping
+
+GEMMS_PER_MODULE = {"LayerNormMLP": 2}  # TE's num_gemms per forward; 1 for Linear / LayerNormLinear
+
+# (file under transformer_engine/, text that must be in it): read, not imported.
+_SOURCES = (
+    ("pytorch/utils.py", "def get_device_compute_capability("),
+    ("pytorch/distributed.py", "def checkpoint("),
+)
+# Version forks: (what, alternatives); one alternative (file, text) must be present.
+_FORKS = (
+    ("TE autocast (quantization.autocast with amax_reduction_group, or fp8.fp8_autocast)",
+     (("pytorch/quantization.py", "amax_reduction_group"), ("pytorch/fp8.py", "def fp8_autocast("))),
+    ("FP8GlobalStateManager (in quantization.py or fp8.py)",
+     (("pytorch/quantization.py", "class FP8GlobalStateManager"), ("pytorch/fp8.py", "class FP8GlobalStateManager"))),
+)
+# TE 2.18+ (the release that guards extra-state pickles): checked when TE has _extra_state.py.
+_GUARD_FILE = "pytorch/_extra_state.py"
+_GUARD_SOURCES = (
+    (_GUARD_FILE, "def extra_state_pickle_advisory("),
+    (_GUARD_FILE, "def _classify_extra_state_pickle("),
+    (_GUARD_FILE, "class _PickledExtraStateAction("),
+    (_GUARD_FILE, "IGNORE"),
+    ("pytorch/module/base.py", "should_load_extra_state_pickle"),
+    ("pytorch/module/base.py", "import pickle"),
+)
+
+
+def te_version(versions: Mapping[str, str | None]) -> str | None:
+    """The installed TE version in ``versions`` (distribution ``transformer-engine`` or ``transformer_engine``)."""
+    return versions.get("transformer-engine") or versions.get("transformer_engine")
+
+
+def check(versions: Mapping[str, str | None]) -> list[str]:
+    from . import missing_from_sources, package_root
+
+    installed = te_version(versions)
+    root = package_root("transformer_engine")
+    if installed is None and root is None:
+        return []  # TE not installed: nothing to check
+    version = f"transformer-engine {installed}"
+    if root is None:
+        return [f"{version}: transformer_engine not found"]
+    problems = missing_from_sources(root, _SOURCES, version)
+    for what, alternatives in _FORKS:
+        if all(missing_from_sources(root, (alternative,), version) for alternative in alternatives):
+            places = " or ".join(f"{text!r} in {root.name}/{name}" for name, text in alternatives)
+            problems.append(f"{version}: internal {what} is gone (neither {places})")
+    if (root / _GUARD_FILE).exists():
+        problems += missing_from_sources(root, _GUARD_SOURCES, version)
+    return problems
+
+
+# -- forks, decided once per installed TE (on first use) -------------------------------------------------
+
+
+@functools.cache
+def _quantization():
+    """``transformer_engine.pytorch.quantization`` (TE 2.9+) or ``transformer_engine.pytorch.fp8`` (older)."""
+    try:
+        from transformer_engine.pytorch import quantization
+    except ImportError:  # TE < 2.9
+        from transformer_engine.pytorch import fp8 as quantization
+    return quantization
+
+
+@functools.cache
+def _has_amax_reduction_group_autocast() -> bool:
+    import inspect
+
+    import transformer_engine.pytorch as te
+
+    autocast = getattr(te, "autocast", None)
+    return autocast is not None and "amax_reduction_group" in inspect.signature(autocast).parameters
+
+
+def autocast_factory(te=None):
+    """A function ``(enabled, recipe, group) -> context manager`` for the installed TE's autocast API (``te``:
+    ``transformer_engine.pytorch``, imported when not given)."""
+    if te is None:
+        import transformer_engine.pytorch as te
+    if _has_amax_reduction_group_autocast():
+        autocast = te.autocast
+        return lambda enabled, recipe, group: autocast(enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    return lambda enabled, recipe, group: te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=group)
+
+
+def fp8_global_state():
+    """TE's ``FP8GlobalStateManager`` (``is_fp8_enabled()``, ``get_fp8_recipe()``)."""
+    return _quantization().FP8GlobalStateManager
+
+
+def support_check(check_name: str):
+    """TE's ``check_*_support`` function named ``check_name`` (``() -> (available, reason)``), or None for a TE
+    without it."""
+    return getattr(_quantization(), check_name, None)
+
+
+def device_compute_capability() -> tuple[int, int]:
+    """The GPU's (major, minor) as TE sees it (raises without a usable CUDA device)."""
+    from transformer_engine.pytorch.utils import get_device_compute_capability
+
+    return get_device_compute_capability()
+
+
+def fp8_checkpoint(function, *args, **kwargs):
+    """``transformer_engine.pytorch.distributed.checkpoint``: recompute under the forward's FP8 recipe."""
+    from transformer_engine.pytorch.distributed import checkpoint
+
+    return checkpoint(function, *args, **kwargs)
+
+
+# -- the extra-state pickle guard (TE 2.18+) --------------------------------------------------------------
+
+
+def pickle_advisory(context: str) -> str | None:
+    """TE's advisory refusing a pickled extra state for ``context``, or None for a TE without the guard."""
+    try:
+        from transformer_engine.pytorch._extra_state import extra_state_pickle_advisory
+    except ImportError:  # TE < 2.18 has no guard (and no advisory)
+        return None
+    return extra_state_pickle_advisory(context)
+
+
+def ignores_extra_state(data: bytes) -> bool:
+    """TE's own classifier (2.18+) says this pickled extra state carries no state (stateless recipe); False
+    for a TE without it."""
+    try:
+        from transformer_engine.pytorch._extra_state import _classify_extra_state_pickle, _PickledExtraStateAction
+    except ImportError:
+        return False
+    return _classify_extra_state_pickle(data) is _PickledExtraStateAction.IGNORE
+
+
+def _module_base():
+    import importlib
+
+    return importlib.import_module("transformer_engine.pytorch.module.base")
+
+
+def has_pickle_guard() -> bool:
+    """TE's ``set_extra_state`` (module/base.py) guards its ``pickle.loads`` (TE 2.18+)."""
+    base = _module_base()
+    return hasattr(base, "should_load_extra_state_pickle") and hasattr(base, "pickle")
+
+
+@contextlib.contextmanager
+def loading_decoded(payload):
+    """While inside, TE's ``set_extra_state`` (module/base.py) finds its pickle guard answered and
+    ``pickle.loads`` returning the already decoded ``payload``: TE's own code applies it. Restored on exit."""
+    import pickle
+    from types import SimpleNamespace
+
+    base = _module_base()
+    saved = {"should_load_extra_state_pickle": base.should_load_extra_state_pickle, "pickle": base.pickle}
+    base.should_load_extra_state_pickle = lambda data, context: True
+    base.pickle = SimpleNamespace(loads=lambda data: payload, dumps=pickle.dumps)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(base, name, value)
+
+
+# -- FP8 all-gather (fixes/fp8_all_gather.py): TE's Float8Tensor built from FSDP2-gathered bytes -----------------
+
+# What the opt-in FP8 all-gather needs of TE (checked at prepare when the switch is on, not when the patch set is
+# applied: a TE without them refuses the switch, by name, and leaves the rest of the fixes on).
+FP8_ALL_GATHER_SOURCES = (
+    ("pytorch/tensor/float8_tensor.py", "class Float8Quantizer"),
+    ("pytorch/tensor/float8_tensor.py", "def fsdp_post_all_gather("),  # TE's own FSDP2 layout of a gathered weight
+    ("pytorch/tensor/float8_tensor.py", "torch.ops.aten.as_strided.default"),
+    ("pytorch/tensor/storage/float8_tensor_storage.py", "def _create_transpose("),
+    ("pytorch/tensor/storage/float8_tensor_storage.py", "_transpose_invalid"),
+    ("pytorch/tensor/utils.py", "def clear_columnwise_cache("),  # TE drops the dgrad transpose under FSDP2
+    ("pytorch/module/linear.py", "isinstance(weight, QuantizedTensor)"),
+)
+
+
+def fp8_all_gather_missing(versions: Mapping[str, str | None]) -> list[str]:
+    """What the FP8 all-gather needs of the installed TE and is not there (empty: all there)."""
+    from . import missing_from_sources, package_root
+
+    root = package_root("transformer_engine")
+    if root is None:
+        return ["transformer_engine not found"]
+    return missing_from_sources(root, FP8_ALL_GATHER_SOURCES, f"transformer-engine {te_version(versions)}")
+
+
+def fp8_max(fp8_dtype) -> float:
+    """The largest finite value of TE's FP8 ``DType`` (E4M3 448, E5M2 57344)."""
+    import torch
+    import transformer_engine_torch as tex
+
+    torch_dtype = {int(tex.DType.kFloat8E4M3): torch.float8_e4m3fn, int(tex.DType.kFloat8E5M2): torch.float8_e5m2}
+    return float(torch.finfo(torch_dtype[int(fp8_dtype)]).max)
+
+
+def fp8_weight_dtype(recipe):
+    """TE's FP8 ``DType`` of a weight (forward tensor) under ``recipe``: E4M3 unless the format is E5M2."""
+    import transformer_engine_torch as tex
+    from transformer_engine.common.recipe import Format
+
+    fmt = getattr(recipe, "fp8_format", Format.HYBRID)
+    return tex.DType.kFloat8E5M2 if fmt == Format.E5M2 else tex.DType.kFloat8E4M3
+
+
+def float8_quantizer(scale, fp8_dtype):
+    """TE's per-tensor ``Float8Quantizer`` with a given ``scale`` (row-wise usage only: column-wise data for the
+    dgrad GEMM is derived from the row-wise data by TE when backward needs it)."""
+    import torch
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    amax = torch.zeros(1, dtype=torch.float32, device=scale.device)
+    return Float8Quantizer(scale=scale, amax=amax, fp8_dtype=fp8_dtype, rowwise=True, columnwise=False)
+
+
+def quantized_bits(tensor):
+    """The uint8 row-wise FP8 bits of a TE Float8Tensor."""
+    return tensor._data
+
+
+def make_float8(data, scale_inv, fp8_dtype, dtype, quantizer):
+    """A TE ``Float8Tensor`` (nominal ``dtype``) on the uint8 ``data`` with ``scale_inv`` — what TE's own
+    ``fsdp_post_all_gather`` builds from a gathered weight."""
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+    return Float8Tensor(shape=data.size(), dtype=dtype, fp8_scale_inv=scale_inv, fp8_dtype=fp8_dtype,
+                        quantizer=quantizer, requires_grad=False, data=data, device=data.device)
+
+
+def refill_float8(tensor, data, scale_inv) -> None:
+    """Point an existing Float8Tensor at newly gathered ``data`` and ``scale_inv``; a transposed copy left from an
+    earlier backward is dropped (stale)."""
+    tensor._data = data
+    tensor._scale_inv.copy_(scale_inv.reshape(tensor._scale_inv.shape))
+    tensor._transpose = None
+    tensor._transpose_invalid = True

@@ -1,0 +1,84 @@
+"""FP8 all-gather under FSDP2 (fixes/fp8_all_gather.py), switch on vs off, on 2 and 4 CPU ranks, in one run.
+
+Each configuration is a real ``Accelerator(mixed_precision="fp8", fsdp_plugin=FSDP2, TERecipeKwargs(HYBRID delayed))``
+on gloo ranks (``accel_fp8_fix.testing.run_distributed``), Transformer Engine's real Python over the CPU kernel shim
+(``ACCEL_FP8_FIX_REHEARSAL=1``), ``ACCELERATE_FP8_ALL_GATHER=fp8`` (on) or ``high_precision`` (off), the scenario
+``sc_train`` of tests/_fp8_all_gather_scenarios.py. The model has only bias-free Linears (every parameter FSDP2
+gathers is a converted weight), so the bytes divide by converted parameters exactly. Measured at the c10d layer
+(``CollectiveSpy``, dispatch level: FSDP2's ``_allgather_base_``; Python level: ``all_reduce``), per rank, on the
+last step (after warm-up):
+
+* bytes all-gathered per converted parameter per step (all ranks' bytes of FSDP2's all-gather outputs, forward +
+  backward re-gather with reshard_after_forward=True; the root unit is not resharded after forward) and per
+  gathered parameter;
+* packed weight-amax all-reduces per step (the switch's) and all ``all_reduce`` calls per step;
+* peak bytes of unsharded weights held during forward: the storage of FSDP2's all-gather outputs (and inner
+  tensors) alive at each TE module's forward, maximum over the step;
+* the losses of each run.
+
+Run: ``python benchmarks/fp8_all_gather.py [--dim 256 --depth 4 --worlds 2,4 --steps 3]`` (~2 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.join(os.path.dirname(HERE), "tests")
+
+
+def _scenarios():
+    for path in (os.path.join(TESTS, "support"), TESTS):
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        import _fp8_all_gather_scenarios as A
+    except ImportError:
+        import fp8_all_gather_scenarios as A
+    return A
+
+
+def _row(world, policy, mode, f, steps):
+    last = f["per_step"][-1]
+    weights = f["fp8_weight_numel"] or f["model_numel"]
+    per_step = last["all_gathered_bytes"] / f["model_numel"]
+    per_gather = last["all_gathered_bytes"] / last["all_gathered_numel"]
+    return (f"| {world} | {policy} | {mode} | {per_step:.3f} | {per_gather:.3f} | {last['weight_amax_reductions']} | "
+            f"{len(last['all_reduces'])} | {f['peak_unsharded_bytes_forward'] / 1024:.1f} | "
+            f"{f['peak_unsharded_bytes_forward'] / weights:.3f} | {', '.join(f'{x:.4f}' for x in f['losses'])} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    A = _scenarios()
+    print("| ranks | FSDP2 param_dtype | all_gather | bytes gathered / param / step | bytes / param / gather | "
+          "weight-amax all-reduces / step | all_reduce calls / step | peak unsharded weights in forward (KiB) | "
+          "peak / converted param (B) | losses |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for world in (int(w) for w in args.worlds.split(",")):
+        plan = [("sc_train", {"all_gather": mode, "policy": policy, "model": "linear_stack", "dim": args.dim,
+                              "depth": args.depth, "steps": args.steps, "reference": False})
+                for policy in ("bf16", "fp32") for mode in ("high_precision", "fp8")]
+        print(f"running {world} ranks ...", file=sys.stderr, flush=True)
+        results = A.launch(plan, world, timeout=900.0)
+        for i, (name, kwargs) in enumerate(plan):
+            key = name if i == 0 else f"{name}#{i}"
+            facts = [r[key] for r in results]
+            for rank, f in enumerate(facts):
+                if "scenario_error" in f:
+                    raise SystemExit(f"rank {rank}: {f['scenario_error']}\n" + "\n".join(f["traceback"]))
+            mode = "fp8" if kwargs["all_gather"] == "fp8" else "high precision"
+            print(_row(world, kwargs["policy"], mode, facts[0], args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

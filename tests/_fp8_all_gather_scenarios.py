@@ -1,0 +1,394 @@
+"""FP8 all-gather under FSDP2 (fixes/fp8_all_gather.py) scenarios, for tests/distributed/test_fp8_all_gather.py
+and benchmarks/fp8_all_gather.py. Each runs inside a rank of ``run_distributed`` and returns facts.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import _scenarios as S
+except ImportError:  # tests/support/ layout
+    from support import scenarios as S
+
+STEPS = 4
+LR = 0.05
+CLIP = 0.9
+GLOBAL_BATCH = 32
+ALL_GATHER_ENV = "ACCELERATE_FP8_ALL_GATHER"
+RECIPES = {
+    "delayed": {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"},
+    "current": {"recipe": "current", "fp8_format": "HYBRID"},
+}
+
+
+def _batch(dim, out=16, seed=7):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(GLOBAL_BATCH, dim, generator=g), torch.randn(GLOBAL_BATCH, out, generator=g)
+
+
+def _te_recipe(kind):
+    import transformer_engine.common.recipe as te_recipe
+
+    if kind == "current":
+        return te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID)
+    return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
+                                    reduce_amax=False)
+
+
+def _sibling(name):
+    """A sibling scenario module (tests/_<name>.py, or tests/support/<name>.py once the helpers moved there)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"_{name}")
+    except ImportError:
+        return importlib.import_module(f"support.{name}")
+
+
+def _reset_te():
+    _sibling("fp8_scenarios").reset_te_global_state()
+
+
+def _mse_of(dim):
+    import torch
+
+    x, y = _batch(dim)
+    return lambda model: torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
+    """(losses, clipped grad norms) of the same model in one process, whole batch, FP8 through TE. Without
+    ``fp8_weights`` TE quantizes the high-precision weights in its GEMM (what the switch-off run computes); with it
+    each converted Linear's weight is quantized once per step with per-tensor current scaling of the whole weight
+    (TE's Float8Quantizer with the scale :func:`scales_from_amaxes` computes) and handed to TE as a Float8Tensor leaf
+    whose gradient goes to the master weight — the FP8 all-gather without the all-gather."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes import fp8_all_gather as AG
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.internals import transformer_engine as TI
+
+    model = build()
+    convert_after_sharding(model, te, exclude=exclude)
+    linears = [m for m in model.modules() if isinstance(m, te.Linear)] if fp8_weights else []
+    for module in model.modules():
+        if hasattr(module, "fp8_meta"):
+            module._is_fsdp2 = True
+    recipe = _te_recipe(kind)
+    params = AG.scale_params(recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for _ in range(steps):
+        masters = [m.weight for m in linears]
+        leaves = []
+        if masters:
+            scales = AG.scales_from_amaxes(torch.stack([w.detach().abs().amax().float() for w in masters]), params)
+            for m, w, scale in zip(linears, masters, scales):
+                q = TI.float8_quantizer(scale.reshape(1).clone(), params.fp8_dtype)(w.detach())
+                q.requires_grad_(True)
+                m._parameters["weight"] = q
+                leaves.append(q)
+        with te_autocast(te)(True, recipe, None):
+            loss = loss_of(model)
+        loss.backward()
+        for m, w, q in zip(linears, masters, leaves):
+            m._parameters["weight"] = w
+            w.grad = q.grad
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    _reset_te()
+    return losses, norms
+
+
+def linear_stack(dim=S.DIM, depth=2, out=16, seed=0):
+    """Blocks of two bias-free Linears (GELU between) and a bias-free head: every parameter FSDP2 gathers is a
+    converted weight, so the all-gathered bytes divide by converted parameters exactly."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(dim, 2 * dim, bias=False)
+            self.fc2 = nn.Linear(2 * dim, dim, bias=False)
+
+        def forward(self, x):
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(depth))
+            self.head = nn.Linear(dim, out, bias=False)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(seed)
+    return Stack()
+
+
+def _digest(acc, net):
+    """{parameter: [dtype, sum, sum of squares]} of the full (gathered) master weights."""
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in net.state_dict().items()
+            if not k.endswith("_extra_state")}
+    return {k: [str(v.dtype), float(v.double().sum()), float(v.double().pow(2).sum())] for k, v in full.items()}
+
+
+def _unsharded_bytes(model):
+    """Bytes of the FSDP2 all-gather buffers holding unsharded weights right now (freed storage counts 0)."""
+    from accel_fp8_fix.internals.torch_fsdp2 import fsdp_params
+
+    storages = {}
+    for p in fsdp_params(model):
+        for t in list(p.all_gather_outputs) + list(getattr(p, "_unsharded_inner_tensors", [])):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _peak_probe(model, te_mods):
+    peak = {"bytes": 0}
+
+    def sample(mod, args):
+        peak["bytes"] = max(peak["bytes"], _unsharded_bytes(model))
+
+    handles = [m.register_forward_pre_hook(sample) for m in te_mods.values()]
+    return peak, handles
+
+
+def _model_for(kind_of_model, dim, depth):
+    if kind_of_model == "linear_stack":
+        return lambda: linear_stack(dim=dim, depth=depth)
+    return lambda: S.block_stack(dim=dim, hidden=2 * dim, depth=depth, seed=0)
+
+
+def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, model="block_stack", dim=S.DIM,
+             depth=2, policy="fp32", reshard=True, dp_replicate=None, dp_shard=None, reference=True, save_dir=None,
+             load_dir=None):
+    """FSDP2 + FP8 with ``ACCELERATE_FP8_ALL_GATHER=all_gather``: losses and clipped grad norms per step (and the
+    one-process reference), what c10d saw per step (all-gathered bytes, all-reduces), the packed scale
+    reductions, the peak bytes of unsharded weights in forward, and what optimizer / checkpoints see."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from accel_fp8_fix.testing.spy import CollectiveSpy
+
+    S.ensure_rehearsal(True)
+    os.environ[ALL_GATHER_ENV] = all_gather
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[policy]
+    build = _model_for(model, dim, depth)
+    ref = _reference(build, recipe, steps, _mse_of(dim), fp8_weights=all_gather == "fp8") if reference \
+        else (None, None)
+    acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
+                             wrap_cls=["Block"], fp8_recipe=RECIPES[recipe], reshard_after_forward=reshard,
+                             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    net = build()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    net, opt = acc.prepare(net, opt)
+    if load_dir is not None:
+        acc.load_state(load_dir)
+    loaded_digest = _digest(acc, net) if load_dir is not None else None
+    setup = acc.accel_fp8_fix
+    te_mods = {n: m for n, m in net.named_modules() if hasattr(m, "fp8_meta")}
+    x, y = _batch(dim)
+    per = GLOBAL_BATCH // world_size
+    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    peak, handles = _peak_probe(net, te_mods)
+    seen = set()  # the class of the weight each TE Linear's forward received (after FSDP2's unshard)
+    handles += [m.register_forward_pre_hook(lambda mod, args: seen.add(type(mod._parameters["weight"]).__name__))
+                for m in te_mods.values() if type(m).__name__ == "Linear"]
+    S.te_reset()
+    losses, norms, per_step = [], [], []
+    ag = setup.all_gather
+    for _ in range(steps):
+        before = ag.scales.reductions if ag is not None else 0
+        with CollectiveSpy() as spy:
+            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+            acc.backward(loss)
+            norms.append(float(acc.clip_grad_norm_(net.parameters(), CLIP)))
+            opt.step()
+            opt.zero_grad()
+        gathers = [c for c in spy.calls(layer=None) if "gather" in c.op]
+        per_step.append({
+            "all_gathers": len(gathers),
+            # the dispatch-level record of FSDP2's _allgather_base_ is its output: every rank's bytes
+            "all_gathered_bytes": sum(c.nbytes for c in gathers),
+            "all_gathered_numel": sum(c.numel for c in gathers),
+            "all_gather_dtypes": sorted({str(c.dtype) for c in gathers}),
+            "all_reduces": [c.numel for c in spy.calls("all_reduce", top_level=True)],
+            "gather_ops": sorted({(c.op, c.layer) for c in gathers}),
+            "weight_amax_reductions": (ag.scales.reductions if ag is not None else 0) - before,
+        })
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(float(value) / world_size)
+    for h in handles:
+        h.remove()
+    stats = S.te_stats()
+    local_types = sorted({type(p.to_local()).__name__ if hasattr(p, "to_local") else type(p).__name__
+                          for p in net.parameters()})
+    sd = net.state_dict()
+    facts = {
+        "losses": losses, "grad_norms": norms, "reference": ref[0], "reference_grad_norms": ref[1],
+        "per_step": per_step, "peak_unsharded_bytes_forward": peak["bytes"], "te_linear_weight_types": sorted(seen),
+        "gathered_weights": list(ag.weights) if ag is not None else [],
+        "scale_reductions": ag.scales.reductions if ag is not None else 0,
+        "converted": setup.conversion.converted,
+        "model_numel": sum(p.numel() for p in net.parameters()),
+        "fp8_weight_numel": sum(m.weight.numel() for n, m in te_mods.items()
+                                if ag is not None and f"{n}.weight" in ag.weights),
+        "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "fp8_gemms_bwd": stats["fp8_gemms_bwd"],
+        "non_fp8_gemms": stats["non_fp8_gemms"], "quantize_calls": {k: v for k, v in stats.items()
+                                                                    if k.startswith("quantize_")},
+        "param_dtypes": sorted({str(p.dtype) for p in net.parameters()}),
+        "grad_dtypes_seen": sorted({str(p.dtype) for p in net.parameters()}),
+        "local_tensor_types": local_types,
+        "state_dict_types": sorted({type(v.to_local() if hasattr(v, "to_local") else v).__name__
+                                    for k, v in sd.items() if not k.endswith("_extra_state")}),
+        "optimizer_param_types": sorted({type(p).__name__ for g in opt.param_groups for p in g["params"]}),
+    }
+    facts["digest_after_load"] = loaded_digest
+    if save_dir is not None:
+        acc.save_state(save_dir)
+        facts["digest_at_save"] = _digest(acc, net)
+        full = acc.get_state_dict(net)
+        facts["full_state_dict"] = {k: (str(v.dtype), type(v).__name__) for k, v in full.items()
+                                    if not k.endswith("_extra_state")} if rank == 0 else {}
+    net.eval()  # last, an evaluation pass: TE autocast off (eval mode), the weights still arrive as Float8Tensors
+    with torch.no_grad():
+        facts["eval_output_finite"] = bool(torch.isfinite(net(x)).all())
+    net.train()
+    return facts
+
+
+def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp_replicate=None, tp=None, steps=3,
+           ckpt_dir=None, grad_ckpt=False, loaded=False, ram_efficient=False):
+    """A transformers model of ``family`` (tests/_zoo_scenarios.py's tiny configs) under FSDP2 / HSDP / FSDP2 x TP
+    with the switch: losses and clipped grad norms every step vs the one-process reference (FP8 weights when on),
+    which weights were gathered in FP8, the packed reductions per step; ``ckpt_dir``: save_state, then load_state
+    into a differently initialised model with the switch, every parameter compared; ``grad_ckpt``: transformers'
+    activation checkpointing on; ``loaded``: sharded at load by transformers (``DistributedConfig(tp, fsdp)``, A18);
+    ``ram_efficient``: the plugin's ``cpu_ram_efficient_loading``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    Z = _sibling("zoo_scenarios")
+    F = _sibling("fp8_scenarios")
+    if dp_shard is None and dp_replicate is None and tp is None:
+        dp_shard = world_size
+    S.ensure_rehearsal(True)
+    os.environ[ALL_GATHER_ENV] = all_gather
+    ref = _reference(lambda: Z.build(family), "delayed", steps, lambda m: m(**Z.batch()).loss, exclude=("lm_head",),
+                     fp8_weights=all_gather == "fp8")
+
+    def prepared(seed):
+        acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
+                                 fp8_recipe=F.RECIPE, wrap_cls=[Z.DECODER_LAYER[family]],
+                                 cpu_ram_efficient_loading=ram_efficient,
+                                 mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                             reduce_dtype=torch.float32))
+        model = Z.build(family, seed=seed)
+        if grad_ckpt:  # transformers' activation checkpointing (recompute routed through TE's checkpoint: A14)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if loaded:
+            model = S.load_sharded_by_transformers(model, tp_size=tp or 1, fsdp_size=dp_shard)
+            model.train()  # from_pretrained returns eval mode
+        elif tp:
+            model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        model, opt = acc.prepare(model, opt)
+        return acc, model, opt
+
+    acc, model, opt = prepared(0)
+    ag = acc.accel_fp8_fix.all_gather
+    seen = set()  # the class of the weight each TE Linear's forward received (after FSDP2's unshard)
+    import transformer_engine.pytorch as te
+
+    for m in model.modules():
+        if isinstance(m, te.Linear):
+            m.register_forward_pre_hook(lambda mod, args: seen.add(type(mod._parameters["weight"]).__name__))
+    dp_rank, dp_size = Z._data_rank(acc, "any")
+    per = Z.GLOBAL_BATCH // dp_size
+    data = Z.batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    S.te_reset()
+    losses, norms, reductions = [], [], []
+    for _ in range(steps):
+        before = ag.scales.reductions if ag is not None else 0
+        loss = model(**data).loss
+        acc.backward(loss)
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        reductions.append((ag.scales.reductions if ag is not None else 0) - before)
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(float(value) / world_size)
+    stats = S.te_stats()
+    facts = {"losses": losses, "grad_norms": norms, "reference": ref[0], "reference_grad_norms": ref[1],
+             "gathered_weights": list(ag.weights) if ag is not None else [],
+             "converted": sorted(acc.accel_fp8_fix.conversion.converted), "weight_amax_reductions": reductions,
+             "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "non_fp8_gemms": stats["non_fp8_gemms"],
+             "te_linear_weight_types": sorted(seen)}
+    if ckpt_dir:
+        path = os.path.join(ckpt_dir, f"{family}-{dp_replicate}-{dp_shard}-{tp}-{all_gather}")
+        acc.save_state(path)
+        saved = {n: Z._full(p).detach().clone() for n, p in model.named_parameters()}
+        acc2, model2, _ = prepared(1)
+        acc2.load_state(path)
+        got = {n: Z._full(p).detach() for n, p in model2.named_parameters()}
+        facts["checkpoint_param_mismatch"] = sorted(n for n, t in saved.items() if not torch.equal(got[n], t))
+        loss2 = model2(**data).loss  # the loaded model trains with the switch: FP8 gathered from loaded weights
+        acc2.backward(loss2)
+        facts["loaded_loss_finite"] = bool(torch.isfinite(loss2))
+    _reset_te()
+    return facts
+
+
+def sc_bad_input(rank, world_size, case):
+    """The switch where it cannot run: one named error at prepare, nothing converted."""
+    import torch
+
+    S.ensure_rehearsal(True)
+    os.environ[ALL_GATHER_ENV] = "fp8"
+    if case == "no_fsdp2":
+        acc = S.make_accelerator(fsdp=False, tp=world_size, mixed_precision="fp8", expect=None)
+    elif case == "mxfp8":
+        os.environ["ACCEL_FP8_FIX_CPU_TE_ARCH"] = "sm100"
+        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"],
+                                 fp8_recipe={"fp8_format": "E4M3", "use_mxfp8_block_scaling": True})
+    elif case == "cpu_offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], cpu_offload=CPUOffloadPolicy())
+    else:
+        raise AssertionError(case)
+    net = S.block_stack(seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    try:
+        acc.prepare(net, opt)
+    except Exception as exc:  # noqa: BLE001
+        return {"error_type": type(exc).__name__, "error": str(exc),
+                "linear_types": sorted({type(m).__name__ for m in net.modules() if "Linear" in type(m).__name__})}
+    return {"error_type": None}
+
+
+def suite(rank, world_size, plan):
+    import sys
+
+    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
+
+
+def launch(plan, world_size, env=None, timeout=300.0):
+    return S.launch(plan, world_size, env=env or S.ENV_FIXED, timeout=timeout, collective_timeout=90, suite_fn=suite)

@@ -1,0 +1,87 @@
+"""FP8 all-gather under FSDP2 (``ACCELERATE_FP8_ALL_GATHER=fp8``, fixes/fp8_all_gather.py) on REAL Transformer
+Engine: one CUDA GPU, world size 1 (FSDP2's all-gather is a local copy, its extension hooks run as on N GPUs).
+
+What the CPU rehearsal cannot prove: TE's CUDA cast of the shard, TE's cuBLAS FP8 GEMM on a Float8Tensor weight
+built from gathered bytes (Hopper: the transpose TE derives for dgrad; Blackwell: none), and the losses against the
+switch-off run. Skipped without CUDA, real TE or FP8 support (tests/gpu/_real_te.py says why).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _real_te import GemmSpy, reset_accelerate, single_rank_process_group, te, torch  # noqa: E402
+
+from torch import nn  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    yield from single_rank_process_group()
+
+
+class Block(nn.Module):
+    def __init__(self, dim=256):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def _train(all_gather: str, recipe: str, steps: int = 4):
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import accel_fp8_fix
+
+    reset_accelerate()
+    os.environ["ACCELERATE_FP8_ALL_GATHER"] = all_gather
+    try:
+        handler = accel_fp8_fix.te_recipe_kwargs(recipe=recipe, fp8_format="HYBRID")
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                transformer_cls_names_to_wrap=["Block"])
+        acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[handler])
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), Block(), nn.Linear(256, 64)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = acc.prepare(model, opt)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        x = torch.randn(64, 256, device="cuda", generator=g)
+        y = torch.randn(64, 64, device="cuda", generator=g)
+        losses = []
+        with GemmSpy() as gemms:
+            for _ in range(steps):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                acc.backward(loss)
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss))
+        setup = acc.accel_fp8_fix
+        return {"losses": losses, "gemms": gemms.calls, "fp8_gemms": gemms.fp8,
+                "gathered": list(setup.all_gather.weights) if setup.all_gather else [],
+                "reductions": setup.all_gather.scales.reductions if setup.all_gather else 0,
+                "param_dtypes": {str(p.dtype) for p in model.parameters()}}
+    finally:
+        os.environ.pop("ACCELERATE_FP8_ALL_GATHER", None)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fp8_all_gather_trains_like_the_switch_off_run_on_real_te(single_rank, recipe):
+    on = _train("fp8", recipe)
+    off = _train("high_precision", recipe)
+    assert len(on["gathered"]) == 5 and on["reductions"] == 4  # 4 Linears in blocks + the head; 1 per step
+    assert on["gemms"] == on["fp8_gemms"] > 0 and off["gemms"] == off["fp8_gemms"]
+    assert on["param_dtypes"] == off["param_dtypes"] == {"torch.float32"}
+    assert all(torch.isfinite(torch.tensor(on["losses"])))
+    assert on["losses"] == pytest.approx(off["losses"], rel=5e-2)
+    if recipe == "current":  # the same whole-weight scale either way: the first step's FP8 math is the same
+        assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-3)

@@ -1,0 +1,124 @@
+"""FP8 all-gather (fixes/fp8_all_gather.py): the weight scales bit for bit against the CPU kernel shim's
+``compute_scale_from_amax``, the shard alias that pickles as a plain tensor, the setting, and the refusals
+``te_recipe_kwargs`` and ``doctor --launch`` give (the distributed behaviour: tests/distributed/test_fp8_all_gather.py).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from accel_fp8_fix import settings
+from accel_fp8_fix.fixes import fp8_all_gather as AG
+from accel_fp8_fix.fixes import fp8_all_gather_policy as policy
+from accel_fp8_fix.rehearsal.te_on_cpu import tex
+
+ROOT = Path(__file__).resolve().parents[2]
+AMAXES = [0.0, 1e-30, 1e-12, 3.0e-5, 0.1, 0.5, 1.0, 2.0, 3.14159, 448.0, 1000.0, 6.5e4, 1e38, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
+@pytest.mark.parametrize("pow2,epsilon", [(False, 0.0), (True, 0.0), (False, 1e-3), (True, 1e-3)])
+def test_scales_are_the_kernels_compute_scale_from_amax_bit_for_bit(fp8_max, pow2, epsilon):
+    params = AG._ScaleParams(fp8_dtype=None, fp8_max=fp8_max, force_pow_2=pow2, epsilon=epsilon)
+    mine = AG.scales_from_amaxes(torch.tensor(AMAXES, dtype=torch.float32), params)
+    shim = torch.tensor([tex.scale_from_amax(a, fp8_max, pow2, epsilon) for a in AMAXES], dtype=torch.float32)
+    assert torch.equal(mine.view(torch.int32), shim.view(torch.int32)), (mine, shim)
+
+
+def test_delayed_margin_divides_by_a_power_of_two_exactly():
+    base = AG._ScaleParams(fp8_dtype=None, fp8_max=448.0)
+    margin = AG._ScaleParams(fp8_dtype=None, fp8_max=448.0, margin=2)
+    amax = torch.tensor([0.3, 7.0, 0.0], dtype=torch.float32)
+    a, b = AG.scales_from_amaxes(amax, base), AG.scales_from_amaxes(amax, margin)
+    assert torch.equal(b[:2], a[:2] / 4) and b[2] == 1.0  # amax 0: scale 1, as the kernel
+
+
+def test_the_shard_alias_is_plain_for_ops_and_pickles_as_a_plain_tensor():
+    base = torch.randn(6, 4)
+    shard = base.as_subclass(AG.Fp8AllGatherShard)
+    assert type(shard * 2) is torch.Tensor and type(shard.detach()) is torch.Tensor
+    assert type(torch.zeros_like(shard)) is torch.Tensor  # optimizer state
+    a, b = io.BytesIO(), io.BytesIO()
+    torch.save(shard, a)
+    torch.save(base, b)
+    assert a.getvalue() == b.getvalue()
+    loaded = torch.load(io.BytesIO(a.getvalue()), weights_only=True)
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, base)
+    shard.add_(1)  # the same storage and version counter as the parameter's local tensor
+    assert torch.equal(base, shard.as_subclass(torch.Tensor)) and base._version == shard._version == 1
+    assert hasattr(shard, "fsdp_pre_all_gather") and hasattr(shard, "fsdp_post_all_gather")
+    assert not hasattr(base, "fsdp_pre_all_gather")
+
+
+def test_the_setting_is_registered_with_its_config_key():
+    setting = settings.REGISTRY["ACCELERATE_FP8_ALL_GATHER"]
+    assert setting.kind == "enum" and setting.config_key == "all_gather" and setting.default == "high_precision"
+    assert settings.setting_for_config_key("all_gather") is setting
+    assert settings.exported_fp8_env({"all_gather": "fp8"}) == {"ACCELERATE_FP8_ALL_GATHER": "fp8"}
+    assert setting.parse("FP8") == "fp8" and setting.parse(" high_precision ") == "high_precision"
+    with pytest.raises(ValueError, match="ACCELERATE_FP8_ALL_GATHER"):
+        setting.parse("bf16")
+
+
+@pytest.mark.parametrize("name", ["MXFP8BlockScaling", "NVFP4BlockScaling", "Float8BlockScaling"])
+def test_recipes_it_cannot_serve_are_refused_by_name(name):
+    assert name in policy.refusal(name, is_fsdp2=True)
+    assert policy.refusal("DelayedScaling", is_fsdp2=True) is None
+    assert policy.refusal("Float8CurrentScaling", is_fsdp2=True) is None
+    assert "FSDP2" in policy.refusal("DelayedScaling", is_fsdp2=False)
+    assert "CPU offload" in policy.refusal("DelayedScaling", is_fsdp2=True, cpu_offload=True)
+
+
+def test_te_recipe_kwargs_refuses_an_unserved_recipe_and_records_the_switch():
+    from accel_fp8_fix.fixes.recipes import all_gather_choice, te_recipe_kwargs
+
+    with pytest.raises(policy.Fp8AllGatherError, match="MXFP8BlockScaling"):
+        te_recipe_kwargs(recipe="mxfp8", all_gather="fp8")
+    with pytest.raises(ValueError, match="ACCELERATE_FP8_ALL_GATHER"):
+        te_recipe_kwargs(all_gather="yes")
+    handler = te_recipe_kwargs(recipe="current", all_gather="fp8")
+    assert all_gather_choice(handler) == "fp8" and policy.requested(handler) == (True, "te_recipe_kwargs(all_gather)")
+    assert all_gather_choice(te_recipe_kwargs()) is None
+
+
+def test_the_installed_te_has_what_the_fp8_all_gather_needs():
+    from accel_fp8_fix.engine.versions import installed_version
+    from accel_fp8_fix.internals.transformer_engine import fp8_all_gather_missing
+
+    assert fp8_all_gather_missing({"transformer-engine": installed_version("transformer-engine")}) == []
+
+
+def _config(tmp_path, fp8=None, **changes):
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "examples/fsdp2_tp_fp8.yaml").read_text())
+    if (fp8 or {}).get("recipe") not in (None, "delayed"):
+        for key in ("amax_history_len", "amax_compute_algo", "interval"):  # DelayedScaling's own settings
+            cfg["fp8_config"].pop(key, None)
+    cfg["fp8_config"].update(fp8 or {})
+    cfg.update(changes)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_doctor_launch_checks_the_switch(tmp_path):
+    from accel_fp8_fix.diagnostics.launch_check import check_launch_config
+
+    env = {"ACCEL_FP8_FIX_REHEARSAL": "1"}
+    ok = check_launch_config(_config(tmp_path, {"all_gather": "fp8"}), environ=env)
+    assert ok.ok and "FP8 all-gather" not in ok.failed, str(ok)
+    mxfp8 = check_launch_config(_config(tmp_path, {"all_gather": "fp8", "recipe": "mxfp8"}), environ=env)
+    assert "FP8 all-gather" in mxfp8.failed and "MXFP8BlockScaling" in str(mxfp8)
+    offload = check_launch_config(_config(tmp_path, {"all_gather": "fp8"}, fsdp_config={
+        "fsdp_version": 2, "fsdp_offload_params": True}), environ=env)
+    assert "FP8 all-gather" in offload.failed and "CPU offload" in str(offload)
+    no_fsdp = check_launch_config(_config(tmp_path, {"all_gather": "fp8"}, distributed_type="MULTI_GPU"), environ=env)
+    assert "FP8 all-gather" in no_fsdp.failed and "FSDP2" in str(no_fsdp)
+    bad = check_launch_config(_config(tmp_path, {"all_gather": "banana"}), environ=env)
+    assert "FP8 all-gather" in bad.failed

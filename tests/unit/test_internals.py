@@ -1,0 +1,116 @@
+"""accel_fp8_fix/internals/: each module's ``check(versions)`` names a missing internal and the installed version;
+Transformer Engine's internals and forks live in one module, checked at apply like its siblings."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from accel_fp8_fix import internals
+from accel_fp8_fix.engine.versions import installed_versions
+from accel_fp8_fix.internals import torch_internals
+from accel_fp8_fix.internals import transformer_engine as te_internals
+
+VERSIONS = installed_versions(internals.DISTRIBUTIONS)
+TE = VERSIONS.get("transformer-engine")
+needs_te = pytest.mark.skipif(TE is None, reason="transformer-engine not installed")
+
+
+def test_every_module_takes_the_versions_and_imports_nothing_from_the_engine():
+    assert "transformer_engine" in internals.MODULES and "torch_internals" in internals.MODULES
+    for path in pathlib.Path(internals.__file__).parent.glob("*.py"):
+        source = path.read_text()
+        assert "..engine" not in source and "accel_fp8_fix.engine" not in source, path.name
+    assert internals.check(internals.MODULES, VERSIONS) == []
+
+
+def test_an_unknown_module_is_named():
+    assert internals.check(["nope"], VERSIONS) == [
+        f"unknown internals module 'nope' (known: {', '.join(internals.MODULES)})"]
+
+
+@needs_te
+def test_a_missing_te_internal_is_named_with_the_te_version(monkeypatch):
+    monkeypatch.setattr(te_internals, "_SOURCES",
+                        te_internals._SOURCES + (("pytorch/utils.py", "def get_device_compute_capability_renamed("),))
+    assert te_internals.check(VERSIONS) == [
+        f"transformer-engine {TE}: internal 'def get_device_compute_capability_renamed(' is gone from "
+        "transformer_engine/pytorch/utils.py"]
+
+
+@needs_te
+def test_a_te_file_that_is_gone_is_named(monkeypatch):
+    monkeypatch.setattr(te_internals, "_SOURCES", (("pytorch/no_such_module.py", "def f("),))
+    assert te_internals.check(VERSIONS) == [f"transformer-engine {TE}: transformer_engine/pytorch/no_such_module.py is gone"]
+
+
+@needs_te
+def test_a_fork_with_neither_side_present_is_named(monkeypatch):
+    forks = (("FP8GlobalStateManager (in quantization.py or fp8.py)",
+              (("pytorch/quantization.py", "class FP8GlobalStateManagerX"), ("pytorch/fp8.py", "class FP8GlobalStateManagerX"))),)
+    monkeypatch.setattr(te_internals, "_FORKS", forks)
+    (problem,) = te_internals.check(VERSIONS)
+    assert problem.startswith(f"transformer-engine {TE}: internal FP8GlobalStateManager (in quantization.py or fp8.py) is gone")
+    assert "'class FP8GlobalStateManagerX' in transformer_engine/pytorch/quantization.py" in problem
+
+
+@needs_te
+def test_the_pickle_guard_internals_are_checked_only_on_a_te_that_has_the_guard(monkeypatch):
+    guard = te_internals._GUARD_SOURCES + ((te_internals._GUARD_FILE, "def _classify_extra_state_pickle_renamed("),)
+    monkeypatch.setattr(te_internals, "_GUARD_SOURCES", guard)
+    (problem,) = te_internals.check(VERSIONS)
+    assert f"transformer-engine {TE}: internal 'def _classify_extra_state_pickle_renamed('" in problem
+    monkeypatch.setattr(te_internals, "_GUARD_FILE", "pytorch/_extra_state_absent.py")  # a TE < 2.18
+    assert te_internals.check(VERSIONS) == []
+
+
+def test_no_te_installed_means_nothing_to_check(monkeypatch):
+    monkeypatch.setattr(internals, "package_root", lambda name: None)
+    assert te_internals.check({"torch": VERSIONS["torch"], "transformer-engine": None}) == []
+
+
+def test_te_version_is_read_under_either_distribution_name():
+    assert te_internals.te_version({"transformer_engine": "2.8.0"}) == "2.8.0"
+    assert te_internals.te_version({"transformer-engine": "2.20.2"}) == "2.20.2"
+    assert te_internals.te_version({}) is None
+
+
+def test_a_missing_torch_internal_is_named_with_the_torch_version(monkeypatch):
+    monkeypatch.setattr(torch_internals, "_SOURCES", (("distributed/_composable_state.py", "class _StateRenamed"),))
+    assert torch_internals.check(VERSIONS) == [
+        f"torch {VERSIONS['torch']}: internal 'class _StateRenamed' is gone from torch/distributed/_composable_state.py"]
+
+
+def test_torch_internals_recognise_what_they_name():
+    from torch.distributed.tensor import Shard
+
+    assert not torch_internals.is_strided_shard(Shard(0))
+    assert not torch_internals.is_composable_state(object())
+    assert torch_internals.checkpoint_wrapper_type().__name__ == "CheckpointWrapper"
+
+
+@needs_te
+def test_a_renamed_te_internal_refuses_the_whole_set_naming_it_and_the_te_version():
+    """The real set, applied at ``import accelerate`` in a fresh interpreter, with one TE internal renamed."""
+    probe = (
+        "import json\n"
+        "import accel_fp8_fix.internals.transformer_engine as t\n"
+        "t._SOURCES += (('pytorch/distributed.py', 'def checkpoint_renamed('),)\n"
+        "import accel_fp8_fix, accelerate\n"
+        "print(json.dumps({'patch_set': accel_fp8_fix.active_patch_set(), 'error': accel_fp8_fix.report().error}))\n"
+        "import sys; print(json.dumps('transformer_engine' in sys.modules))\n"
+    )
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_FP8"))}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    got, te_imported = json.loads(lines[-2]), json.loads(lines[-1])
+    assert got["patch_set"] is None
+    assert (f"transformer-engine {TE}: internal 'def checkpoint_renamed(' is gone from "
+            "transformer_engine/pytorch/distributed.py") in got["error"]
+    assert not te_imported  # the check reads TE's source, it never imports TE

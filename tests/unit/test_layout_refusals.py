@@ -1,0 +1,89 @@
+"""Layouts accelerate refuses (issue 20 item 4): the package names the refusal and the layout to use instead — in the
+doctor (``accel-fp8-fix doctor --launch``), at ``ParallelismConfig()`` and at ``Accelerator()`` (fix id ``layout``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from accel_fp8_fix.diagnostics.launch_check import check_launch_config
+from accel_fp8_fix.fixes.layout import refused_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_", "PARALLELISM_CONFIG", "WORLD_SIZE", "RANK"))}
+
+
+def test_dp_replicate_x_tp_without_dp_shard_names_fsdp2_x_tp_and_hsdp_x_tp():
+    reason, instead = refused_layout({"dp_replicate": 2, "tp": 2})
+    assert reason.startswith("dp_replicate 2 x tp 2 without dp_shard")
+    assert instead.startswith("dp_shard 2 x tp 2 (FSDP2 x tp 2 on the same 4 processes")
+    _, instead = refused_layout({"dp_replicate": 4, "tp": 2})
+    assert "or dp_replicate 2 x dp_shard 2 x tp 2 (HSDP x tp 2" in instead
+    _, instead = refused_layout({"dp_replicate": 2, "cp": 2})
+    assert instead.startswith("dp_shard 2 x cp 2")
+
+
+def test_fsdp_without_a_shard_dim_and_process_mismatch_name_the_layout_to_use():
+    reason, instead = refused_layout({"tp": 4}, fsdp=True, processes=4)
+    assert "FSDP with tp 4 and dp_shard 1" in reason
+    assert instead.startswith("tp 4 without FSDP") and "or dp_shard 2 x tp 2" in instead
+    reason, instead = refused_layout({"dp_shard": 2, "tp": 2}, fsdp=True, processes=8)
+    assert "multiplies to 4 but 8 processes run" in reason and "dp_shard 4 x tp 2 on 8 processes" in instead
+
+
+@pytest.mark.parametrize("sizes,fsdp,processes", [
+    ({"dp_shard": 2, "tp": 2}, True, 4), ({"tp": 2}, False, 2), ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, True, 8),
+    ({"dp_replicate": 4}, False, 4), ({"dp_replicate": 2, "dp_shard": 2}, True, 4), ({}, True, 4)])
+def test_layouts_accelerate_takes_are_not_refused(sizes, fsdp, processes):
+    assert refused_layout(sizes, fsdp=fsdp, processes=processes) is None
+
+
+def test_doctor_names_the_layout_to_use_instead(tmp_path):
+    cfg = yaml.safe_load((ROOT / "examples/fsdp2_tp_fp8.yaml").read_text())
+    pc = cfg["parallelism_config"]
+    pc["parallelism_config_dp_replicate_size"], pc["parallelism_config_dp_shard_size"] = 2, 1
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    verdict = check_launch_config(str(path), environ={"ACCEL_FP8_FIX_REHEARSAL": "1"})
+    (check,) = [c for c in verdict.checks if c.name == "layout"]
+    assert not check.ok and "layout" in verdict.failed
+    assert check.detail.startswith("dp_replicate 2 x tp 2 without dp_shard") and check.fix.startswith("use dp_shard 2 x tp 2")
+    assert "[FAIL] layout: dp_replicate 2 x tp 2 without dp_shard" in str(verdict)
+
+
+SCRIPT = """
+import accel_fp8_fix
+from accelerate import Accelerator
+from accelerate.utils import ParallelismConfig
+try:
+    {call}
+except ValueError as exc:
+    print("refused:", exc)
+else:
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize("call,env,expect", [
+    ("ParallelismConfig(dp_replicate_size=2, tp_size=2)", {},
+     "refused: accel_fp8_fix: dp_replicate 2 x tp 2 without dp_shard"),
+    ("Accelerator()", {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+                       "PARALLELISM_CONFIG_TP_SIZE": "2"}, "refused: accel_fp8_fix: dp_replicate 2 x tp 2 without dp_shard"),
+    ("Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))", {"WORLD_SIZE": "8"},
+     "refused: accel_fp8_fix: dp_shard 2 x tp 2 multiplies to 4 but 8 processes run"),
+    ("ParallelismConfig(dp_shard_size=2, tp_size=2)", {}, "ok"),
+])
+def test_parallelism_config_and_accelerator_refuse_with_the_layout_to_use(call, env, expect):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(call=call)], capture_output=True, text=True,
+                          timeout=180, env={**CLEAN_ENV, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(expect), proc.stdout + proc.stderr[-2000:]
+    if expect != "ok":
+        assert "Use " in last
