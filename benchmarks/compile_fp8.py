@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _scenarios():
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        import _compile_scenarios as C
-        import _scenarios as S
+        from support import compile_scenarios as C
+        from support import scenarios as S
     except ImportError:  # the test helpers moved to tests/support/
         from support import compile_scenarios as C
         from support import scenarios as S

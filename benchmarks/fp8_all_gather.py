@@ -3,7 +3,7 @@
 Each configuration is a real ``Accelerator(mixed_precision="fp8", fsdp_plugin=FSDP2, TERecipeKwargs(HYBRID delayed))``
 on gloo ranks (``accel_fp8_fix.testing.run_distributed``), Transformer Engine's real Python over the CPU kernel shim
 (``ACCEL_FP8_FIX_REHEARSAL=1``), ``ACCELERATE_FP8_ALL_GATHER=fp8`` (on) or ``high_precision`` (off), the scenario
-``sc_train`` of tests/_fp8_all_gather_scenarios.py. The model has only bias-free Linears (every parameter FSDP2
+``sc_train`` of tests/support/fp8_all_gather_scenarios.py. The model has only bias-free Linears (every parameter FSDP2
 gathers is a converted weight), so the bytes divide by converted parameters exactly. Measured at the c10d layer
 (``CollectiveSpy``, dispatch level: FSDP2's ``_allgather_base_``; Python level: ``all_reduce``), per rank, on the
 last step (after warm-up):
@@ -34,7 +34,7 @@ def _scenarios():
         if os.path.isdir(path) and path not in sys.path:
             sys.path.insert(0, path)
     try:
-        import _fp8_all_gather_scenarios as A
+        from support import fp8_all_gather_scenarios as A
     except ImportError:
         import fp8_all_gather_scenarios as A
     return A

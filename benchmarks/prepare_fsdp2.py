@@ -89,7 +89,7 @@ def build_model(dim, hidden, depth, seed=0):
 
 # -- accelerator ------------------------------------------------------------------------------------------
 def make_accelerator():
-    """A real FSDP2 + FP8 Accelerator (as tests/_scenarios.py::make_accelerator builds it), afresh."""
+    """A real FSDP2 + FP8 Accelerator (as tests/support/scenarios.py::make_accelerator builds it), afresh."""
     import torch
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState

@@ -1,15 +1,23 @@
 """Test layers: ``tests/unit`` (one process, no network, seconds), ``tests/distributed`` (several gloo ranks,
 the launcher, the demo), ``tests/network`` (installs other releases / builds wheels from the package
 registry: skipped without it, failed under ``CI=true``), ``tests/gpu`` (real TE, CUDA only).
-The helper modules (``_scenarios`` ...) live here and are importable from every layer."""
 
-import sys
+The scenarios the layers share are the package ``tests/support`` (``from support import scenarios as S``), on
+pytest's ``pythonpath`` (pyproject.toml). Processes the tests start import them too: ``run_distributed`` workers
+find them from the scenario's module name; scripts under ``accelerate launch`` / torchrun through PYTHONPATH,
+set here once for every child process.
+"""
+
+import os
 from pathlib import Path
 
-HELPERS = str(Path(__file__).resolve().parent)
-if HELPERS not in sys.path:
-    sys.path.insert(0, HELPERS)
-# Worker processes (run_distributed, accelerate launch) import test modules whose helpers live here.
-import os  # noqa: E402
+import pytest
 
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HELPERS, os.environ.get("PYTHONPATH")) if p)
+TESTS = str(Path(__file__).resolve().parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(request, tmp_path_factory):
+    """A checkpoint folder shared by the tests of one module (a launch writes, later tests read)."""
+    return str(tmp_path_factory.mktemp(f"ckpt-{request.module.__name__.rsplit('.', 1)[-1]}"))

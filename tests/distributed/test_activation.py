@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent.parent  # tests/: the helper modules
+HERE = Path(__file__).resolve().parent.parent / "support"  # the probe script
 CLEAN_ENV = {
     k: v
     for k, v in os.environ.items()
@@ -240,7 +240,7 @@ def test_accelerate_config_flag_activates_every_worker_of_accelerate_launch(tmp_
     env = {**CLEAN_ENV, "ACCEL_FP8_FIX": "", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", launcher, "launch", "--config_file", str(config), "--main_process_port", "0",
-         str(HERE / "_activation_probe.py"), str(tmp_path)],
+         str(HERE / "activation_probe.py"), str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
@@ -257,7 +257,7 @@ def test_accelerate_config_flag_activates_every_worker_of_accelerate_launch(tmp_
 def test_env_var_activates_every_worker_of_torchrun(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
-         str(HERE / "_activation_probe.py"), str(tmp_path)],
+         str(HERE / "activation_probe.py"), str(tmp_path)],
         env={**CLEAN_ENV, "ACCEL_FP8_FIX": "1", "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -291,7 +291,7 @@ def test_rehearsal_flag_alone_changes_where_te_comes_from_and_nothing_else(tmp_p
     env = {**CLEAN_ENV, "ACCEL_FP8_FIX_REHEARSAL": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config),
-         "--main_process_port", "0", str(HERE / "_activation_probe.py"), str(tmp_path)],
+         "--main_process_port", "0", str(HERE / "activation_probe.py"), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """A finished run exits 0 (A20, `accel_fp8_fix/fixes/clean_exit.py`).
 
-A user's script (`tests/_clean_exit_script.py`: FSDP2 through `accelerate launch` on 2 CPU processes, a tiny
+A user's script (`tests/support/clean_exit_script.py`: FSDP2 through `accelerate launch` on 2 CPU processes, a tiny
 transformers Qwen2, a few steps, no `end_training()`) is launched repeatedly; every launch must exit 0 with no
 "terminate called" in its output. Without the fix, gloo's worker threads race interpreter teardown and a
 finished worker aborts now and then (SIGABRT, exit 1; more often with a collective still in flight at the end
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "_clean_exit_script.py"
+SCRIPT = ROOT / "tests" / "support" / "clean_exit_script.py"
 LAUNCHES = int(os.environ.get("ACCEL_FP8_FIX_CLEAN_EXIT_LAUNCHES", "10"))
 
 CONFIG = """\

@@ -10,8 +10,8 @@ keeps its own functions out of dynamo's frame compilation (cuda_as_cpu._skip_dyn
 
 import pytest
 
-import _compile_scenarios as C
-import _scenarios as S
+from support import compile_scenarios as C
+from support import scenarios as S
 
 PLAN = [("sc_fsdp2_fp8_compile", {"backend": "INDUCTOR"}), ("sc_fsdp2_fp8_compile", {"backend": "NO"})]
 

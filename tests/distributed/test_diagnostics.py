@@ -2,7 +2,7 @@
 DTensor errors happen (fixes on, and stock accelerate inside ``explain_errors``), stock FSDP2 + FP8 audited
 (FP8 off, A2), public collectives.
 
-Two launches (tests/_diagnostics_scenarios.py): 4 ranks with the fixes on and ACCEL_FP8_FIX_AUDIT=1, 2 ranks
+Two launches (tests/support/diagnostics_scenarios.py): 4 ranks with the fixes on and ACCEL_FP8_FIX_AUDIT=1, 2 ranks
 on stock accelerate.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-import _diagnostics_scenarios as D
-import _scenarios as S
+from support import diagnostics_scenarios as D
+from support import scenarios as S
 
 LINEARS = {f"model.layers.{i}.{p}" for i in range(2) for p in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -74,7 +74,7 @@ def test_planted_stray_state_and_mixed_module_are_named(fixed):
         assert e["type"] == "RuntimeError" and "got mixed torch.Tensor and DTensor" in e["str"]
         note = e["notes"][0]
         assert "(forward)" in note and "module gain (Gain; weight: DTensor [Replicate()], scale: plain)" in note
-        assert "modules mixing DTensor and plain tensors: gain" in note and "_diagnostics_scenarios.py" in note
+        assert "modules mixing DTensor and plain tensors: gain" in note and "diagnostics_scenarios.py" in note
 
 
 def test_user_hooks_handing_a_dtensor_to_c10d_get_a_note_naming_the_parameter_and_the_fix(fixed):
@@ -84,7 +84,7 @@ def test_user_hooks_handing_a_dtensor_to_c10d_get_a_note_naming_the_parameter_an
         for where, key in (("forward", "forward"), ("optimizer.step", "step"), ("Accelerator.backward", "backward")):
             _same_error_with_a_note(f[key], f["direct"], (
                 f"({where})", "parameter model.layers.0.self_attn.q_proj.weight", "your own code",
-                "_diagnostics_scenarios.py", "in _user_broadcast", USER_FIX))
+                "diagnostics_scenarios.py", "in _user_broadcast", USER_FIX))
         # the forward note is added from torch's own except block: no frame of this package in the traceback
         assert not any(name == "notes.py" for name, _ in f["forward"]["frames"])
 

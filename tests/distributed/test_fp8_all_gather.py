@@ -1,19 +1,15 @@
 """FP8 all-gather under FSDP2 (issue 21; fixes/fp8_all_gather.py): weights gathered as FP8 + scale, masters,
 optimizer and checkpoints unchanged, one packed weight-amax all-reduce per step. CPU, gloo, TE's real Python.
 
-Scenarios: tests/_fp8_all_gather_scenarios.py; one 2-rank launch, one 4-rank launch.
+Scenarios: tests/support/fp8_all_gather_scenarios.py; one 2-rank launch, one 4-rank launch.
 """
 
 import os
 
 import pytest
 
-try:
-    import _fp8_all_gather_scenarios as A
-    import _scenarios as S
-except ImportError:  # tests/support/ layout
-    from support import fp8_all_gather_scenarios as A
-    from support import scenarios as S
+from support import fp8_all_gather_scenarios as A
+from support import scenarios as S
 
 CONVERTED_WEIGHTS = ["head.weight", "blocks.0.fc1.weight", "blocks.0.fc2.weight", "blocks.1.fc1.weight",
                      "blocks.1.fc2.weight"]

@@ -1,13 +1,13 @@
 """FSDP2 + TE FP8 through the patched ``Accelerator.prepare`` (CPU, gloo, Transformer Engine's real Python).
 
-Each test reads facts of scenarios in tests/_fp8_scenarios.py; one launch per world size runs them all.
+Each test reads facts of scenarios in tests/support/fp8_scenarios.py; one launch per world size runs them all.
 The stock behaviour of the same setups is asserted in tests/distributed/test_stock_failures.py (A2: zero FP8 GEMMs).
 """
 
 import pytest
 
-import _fp8_scenarios as F
-import _scenarios as S
+from support import fp8_scenarios as F
+from support import scenarios as S
 
 FROZEN = {"first Linear": ["blocks.0.norm", "blocks.0.fc1"],
           "first block and a norm": ["blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.norm"]}
@@ -112,7 +112,7 @@ def test_no_convertible_layer_warns_names_them_and_trains_in_high_precision():
     # one voice: rank 0 logs the kept layers once and warns once, at the caller's prepare() line
     assert len(rank0["logged"]) == 1 and "0: in_features=10, out_features=30" in rank0["logged"][0]
     assert len(rank0["warnings"]) == 1 and "FP8 stays OFF" in rank0["warnings"][0]
-    assert rank0["warning_files"] == ["_fp8_scenarios.py"]
+    assert rank0["warning_files"] == ["fp8_scenarios.py"]
     assert rank1["logged"] == [] and rank1["warnings"] == []
 
 

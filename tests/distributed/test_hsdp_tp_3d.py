@@ -12,14 +12,9 @@ import os
 
 import pytest
 
-try:
-    from support import scenarios as S  # type: ignore[import-not-found]
-    from support import tp_checkpoint_scenarios as C  # type: ignore[import-not-found]
-    from support import tp_scenarios as T  # type: ignore[import-not-found]
-except ImportError:
-    import _scenarios as S
-    import _tp_checkpoint_scenarios as C
-    import _tp_scenarios as T
+from support import scenarios as S
+from support import tp_checkpoint_scenarios as C
+from support import tp_scenarios as T
 
 pytestmark = pytest.mark.skipif(os.environ.get("ACCEL_FP8_FIX_8RANK") != "1",
                                 reason="8 gloo ranks: set ACCEL_FP8_FIX_8RANK=1 (docs/testing.md)")

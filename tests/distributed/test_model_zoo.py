@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-import _scenarios as S
-import _zoo_scenarios as Z
+from support import scenarios as S
+from support import zoo_scenarios as Z
 
 FULL = os.environ.get("ACCEL_FP8_FIX_ZOO") == "full"
 # FSDP2 x TP for every family (with a checkpoint round trip); TP where families differ (norms inside
@@ -33,11 +33,6 @@ PLAN_OTHER = (
     + [("sc_zoo", {"family": "qwen2", "layout": "fsdp2"}), ("sc_zoo", {"family": "qwen3_moe", "layout": "hsdp"})]
 ) + [("sc_zoo", {"family": "qwen3", "layout": "fsdp2_tp", "precision": "no"}),
       ("sc_zoo", {"family": "qwen3", "layout": "fsdp2_tp_loaded"})]  # transformers' own grad all-reduce style, 2-D
-
-@pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("zoo_ckpt"))
-
 
 class _Zoo:
     """Both launches' results; a case's facts are read by its own test, so a scenario that raised fails that

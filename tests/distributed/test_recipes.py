@@ -8,9 +8,9 @@ through ``accel_fp8_fix.te_recipe_kwargs(recipe=...)`` — the same path as ``fp
 
 import pytest
 
-import _fp8_scenarios as F
-import _scenarios as S
-import _zoo_scenarios as Z
+from support import fp8_scenarios as F
+from support import scenarios as S
+from support import zoo_scenarios as Z
 
 BY_ARCH = {"sm90": ("current", "block"), "sm100": ("mxfp8", "nvfp4")}
 CLASS = {"current": "Float8CurrentScaling", "block": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling",

@@ -1,6 +1,6 @@
 """The CPU rehearsal gates (accel_fp8_fix.rehearsal.gates): accelerate's real FSDP2 / TP code on gloo ranks.
 
-Multi-rank facts come from two shared launches (tests/_scenarios.py: PLAN_2RANK on 2 ranks, PLAN_4RANK on 4),
+Multi-rank facts come from two shared launches (tests/support/scenarios.py: PLAN_2RANK on 2 ranks, PLAN_4RANK on 4),
 run with the fixes OFF (ACCEL_FP8_FIX=0) so that only the gates differ from stock accelerate.
 """
 
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import _scenarios as S
+from support import scenarios as S
 
 HERE = Path(__file__).resolve().parent.parent  # tests/: the helper modules
 REPO = HERE.parent
@@ -317,7 +317,7 @@ def _accelerate_launch(tmp_path, distributed_type, extra=""):
     config = tmp_path / "config.yaml"
     config.write_text(LAUNCH_CONFIG.format(distributed_type=distributed_type, extra=extra))
     out = tmp_path / "seen"
-    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config), str(HERE / "_scenarios.py"), "--out", str(out)]
+    cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config), str(HERE / "support" / "scenarios.py"), "--out", str(out)]
     audit = tmp_path / "collectives"
     proc = subprocess.run(cmd, env=_clean_env(ACCEL_FP8_FIX_COLLECTIVE_AUDIT=str(audit)), capture_output=True,
                           text=True, timeout=150, cwd=tmp_path)

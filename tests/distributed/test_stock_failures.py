@@ -1,6 +1,6 @@
 """Stock accelerate failures, reproduced on CPU ranks: ACCEL_FP8_FIX=0 (no fixes) + TE's real Python on CPU + rehearsal.
 
-These are the "before" of the fixes: each scenario lives in tests/_scenarios.py and returns facts, so the
+These are the "before" of the fixes: each scenario lives in tests/support/scenarios.py and returns facts, so the
 same scenario re-run with ENV_FIXED flips these assertions. The launches are shared with test_rehearsal.py
 (PLAN_2RANK on 2 ranks, PLAN_4RANK on 4 ranks; memoised per pytest process).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-import _scenarios as S
+from support import scenarios as S
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import _scenarios as S
+from support import scenarios as S
 
 
 @pytest.fixture(scope="module")

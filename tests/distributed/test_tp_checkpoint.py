@@ -20,19 +20,10 @@ import os
 
 import pytest
 
-try:
-    from support import scenarios as S  # type: ignore[import-not-found]
-    from support import tp_checkpoint_scenarios as C  # type: ignore[import-not-found]
-except ImportError:
-    import _scenarios as S
-    import _tp_checkpoint_scenarios as C
+from support import scenarios as S
+from support import tp_checkpoint_scenarios as C
 
 FAMILIES = ("llama", "qwen3", "phi3", "gemma3", "qwen3_moe")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tp_ckpt"))
 
 
 def _two_rank_plan(out):
@@ -49,8 +40,8 @@ def _two_rank_plan(out):
 
 
 @pytest.fixture(scope="module")
-def two(ckpt):
-    plan = _two_rank_plan(ckpt)
+def two(ckpt_dir):
+    plan = _two_rank_plan(ckpt_dir)
     return plan, C.launch(plan, 2)
 
 
@@ -66,10 +57,10 @@ RESUMES_4 = [("f2tp", "fsdp2_tp"), ("f2tp", "fsdp2"), ("f2tp", "tp"), ("tp4", "f
 
 
 @pytest.fixture(scope="module")
-def four(ckpt, two):
-    plan = [("sc_ckpt_save", {"out_dir": ckpt, "tag": tag, "layout": layout, "export": False})
+def four(ckpt_dir, two):
+    plan = [("sc_ckpt_save", {"out_dir": ckpt_dir, "tag": tag, "layout": layout, "export": False})
             for tag, layout in SAVES_4.items()]
-    plan += [("sc_ckpt_resume", {"out_dir": ckpt, "tag": tag, "layout": layout}) for tag, layout in RESUMES_4]
+    plan += [("sc_ckpt_resume", {"out_dir": ckpt_dir, "tag": tag, "layout": layout}) for tag, layout in RESUMES_4]
     return plan, C.launch(plan, 4)
 
 
@@ -159,13 +150,13 @@ RESUME_TOLERANCE = 1e-2
 
 
 @pytest.mark.parametrize("tag,layout", RESUMES_4, ids=[f"{t}->{l}" for t, l in RESUMES_4])
-def test_resume_across_layouts_is_bit_for_bit_and_continues_the_trajectory(ckpt, two, four, tag, layout):
+def test_resume_across_layouts_is_bit_for_bit_and_continues_the_trajectory(ckpt_dir, two, four, tag, layout):
     plan, results = four
-    resumed = S.facts_of(results, S.key_of(plan, "sc_ckpt_resume", {"out_dir": ckpt, "tag": tag, "layout": layout}))
+    resumed = S.facts_of(results, S.key_of(plan, "sc_ckpt_resume", {"out_dir": ckpt_dir, "tag": tag, "layout": layout}))
     if tag == "tp2":
-        saved = _f(two, "sc_ckpt_save", {"out_dir": ckpt, "tag": "tp2"})
+        saved = _f(two, "sc_ckpt_save", {"out_dir": ckpt_dir, "tag": "tp2"})
     else:
-        saved = S.facts_of(results, S.key_of(plan, "sc_ckpt_save", {"out_dir": ckpt, "tag": tag, "layout": SAVES_4[tag],
+        saved = S.facts_of(results, S.key_of(plan, "sc_ckpt_save", {"out_dir": ckpt_dir, "tag": tag, "layout": SAVES_4[tag],
                                                                      "export": False}))
     for f in S.facts_of(results, "sc_ckpt_save"):
         assert f["save_error"] is None, f["save_error"]

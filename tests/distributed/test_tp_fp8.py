@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-import _scenarios as S
-import _tp_scenarios as T
+from support import scenarios as S
+from support import tp_scenarios as T
 
 TP_LINEARS = {f"model.layers.{i}.{p}" for i in range(2) for p in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -37,11 +37,6 @@ def test_kv_heads_not_divisible_by_tp_size_is_a_named_error_at_prepare(two_ranks
         assert f["error"].startswith("ValueError: accel_fp8_fix: tensor parallelism splits the attention heads")
         assert "num_key_value_heads=1 is not a multiple of tp_size=2" in f["error"]
         assert "num_attention_heads=4, num_key_value_heads=1" in f["error"] and "LlamaConfig" in f["error"]
-
-
-@pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tp_ckpt"))
 
 
 MISFIT = {"dp_shard": 2, "tp": 2, "intermediate": 48, "steps": 3}  # MLP 48 fits FP8 globally, 24 per TP rank does not
@@ -139,7 +134,7 @@ def test_partial_fp8_warns_once_per_job_at_the_prepare_line(four_ranks):
     misfit = S.facts_of(four_ranks, S.key_of([*FOUR_RANK_PLAN], "sc_tp_fp8_train", MISFIT))
     assert [len(f["coverage_warnings"]) for f in misfit] == [1, 0, 0, 0]
     (message, filename), = misfit[0]["coverage_warnings"]
-    assert filename == "_tp_scenarios.py", filename
+    assert filename == "tp_scenarios.py", filename
     assert re.search(r"FP8 covers \d+\.\d% of the model's GEMM parameters: 6 GEMM weight\(s\) stay in high precision "
                      r"besides the output layer lm_head", message), message
     assert "model.layers.0.mlp.gate_proj: " in message and "24" in message and "and 3 more" in message

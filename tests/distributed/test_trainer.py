@@ -1,12 +1,12 @@
 """transformers' ``Trainer``, script unchanged, configured by an accelerate config file (docs/trainer.md): FSDP2 and
 FSDP2 x TP with a model loaded N-D through ``DistributedConfig`` (A22) train in FP8 like one process; and
 ``TrainingArguments(use_cpu=True)`` with an FSDP2 config under the rehearsal warns, naming what is dropped.
-One 4-rank launch (tests/_trainer_scenarios.py)."""
+One 4-rank launch (tests/support/trainer_scenarios.py)."""
 
 import pytest
 
-import _scenarios as S
-import _trainer_scenarios as T
+from support import scenarios as S
+from support import trainer_scenarios as T
 
 
 @pytest.fixture(scope="module")

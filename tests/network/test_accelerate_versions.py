@@ -24,9 +24,9 @@ import sys
 
 import pytest
 
-import _fp8_scenarios as F
-import _scenarios as S
-import _versions as V
+from support import fp8_scenarios as F
+from support import scenarios as S
+from support import versions as V
 
 # The newest release of each minor line of the window other than the venv's (`pip index versions accelerate`:
 # 1.13.0 and 1.14.0 have no patch releases). test_the_newest_release_of_every_claimed_line_is_tested watches

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-import _fp8_scenarios as F
-import _scenarios as S
-import _versions as V
+from support import fp8_scenarios as F
+from support import scenarios as S
+from support import versions as V
 
 TE_VERSION = "2.8.0"
 

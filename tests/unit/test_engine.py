@@ -8,7 +8,7 @@ import warnings
 import pytest
 import wrapt
 
-import _engine_targets as targets
+from support import engine_targets as targets
 from accel_fp8_fix.engine import (
     DeclarationError,
     Engine,
@@ -19,8 +19,8 @@ from accel_fp8_fix.engine import (
 )
 from accel_fp8_fix.engine.declarations import parse_patch_set
 
-RUN = "_engine_targets:Engine.run"
-HELPER = "_engine_targets:helper"
+RUN = "support.engine_targets:Engine.run"
+HELPER = "support.engine_targets:helper"
 
 
 def make_set(patches, name="test-set", requires=None, compatible=None, kind="fix"):
@@ -37,7 +37,7 @@ def make_set(patches, name="test-set", requires=None, compatible=None, kind="fix
 
 def window(name, accelerate, torch=">=2.6", **extra):
     return make_set(
-        [{"target": HELPER, "wrapper": "_engine_targets:add_ten"}],
+        [{"target": HELPER, "wrapper": "support.engine_targets:add_ten"}],
         name=name,
         requires={"accelerate": accelerate, "torch": torch},
         **extra,
@@ -140,8 +140,8 @@ def test_apply_wraps_with_our_marker_and_undo_restores_the_exact_object(fresh_ta
     engine = Engine(
         make_set(
             [
-                {"target": RUN, "wrapper": "_engine_targets:double_result", "signature": "(self, x, *, scale=1)"},
-                {"target": HELPER, "wrapper": "_engine_targets:add_ten"},
+                {"target": RUN, "wrapper": "support.engine_targets:double_result", "signature": "(self, x, *, scale=1)"},
+                {"target": HELPER, "wrapper": "support.engine_targets:add_ten"},
             ]
         )
     )
@@ -160,12 +160,12 @@ def test_apply_wraps_with_our_marker_and_undo_restores_the_exact_object(fresh_ta
 def test_a_signature_list_accepts_any_release_of_the_window(fresh_targets):
     """One declaration per window: releases that spell the same parameters differently (1.15 annotates the
     return, 1.13 does not) are listed; anything else is refused, naming every accepted one."""
-    ok = Engine(make_set([{"target": RUN, "wrapper": "_engine_targets:double_result",
+    ok = Engine(make_set([{"target": RUN, "wrapper": "support.engine_targets:double_result",
                            "signature": ["(self, y)", "(self, x, *, scale=1)"]}]))
     ok.activate(strict=True)
     assert fresh_targets.Engine().run(3, scale=2) == 12
     ok.deactivate()
-    bad = Engine(make_set([{"target": RUN, "wrapper": "_engine_targets:double_result",
+    bad = Engine(make_set([{"target": RUN, "wrapper": "support.engine_targets:double_result",
                             "signature": ["(self, y)", "(self, z)"]}]))
     with pytest.raises(PatchError, match=r"expected \(self, y\) or \(self, z\), found \(self, x, \*, scale=1\)"):
         bad.apply()
@@ -173,14 +173,14 @@ def test_a_signature_list_accepts_any_release_of_the_window(fresh_targets):
 
 
 def test_activate_twice_patches_once(fresh_targets):
-    engine = Engine(make_set([{"target": HELPER, "wrapper": "_engine_targets:add_ten"}]))
+    engine = Engine(make_set([{"target": HELPER, "wrapper": "support.engine_targets:add_ten"}]))
     engine.activate(strict=True)
     engine.activate(strict=True)
     engine.apply()
     assert fresh_targets.helper(0) == 11  # not 21
     assert not isinstance(fresh_targets.helper.__wrapped__, FixWrapper)
     # A second engine for the same target refuses rather than stacking.
-    other = Engine(make_set([{"target": HELPER, "wrapper": "_engine_targets:add_ten"}], name="other"))
+    other = Engine(make_set([{"target": HELPER, "wrapper": "support.engine_targets:add_ten"}], name="other"))
     with pytest.raises(PatchError, match="already wrapped by patch set 'test-set'"):
         other.apply()
     engine.deactivate()
@@ -189,17 +189,17 @@ def test_activate_twice_patches_once(fresh_targets):
 @pytest.mark.parametrize(
     "broken,reason",
     [
-        ({"target": "_engine_targets:Engine.missing", "wrapper": "_engine_targets:add_ten"}, "no attribute 'missing'"),
-        ({"target": "_no_such_module_xyz:f", "wrapper": "_engine_targets:add_ten"}, "ModuleNotFoundError"),
-        ({"target": RUN, "wrapper": "_engine_targets:add_ten", "signature": "(self, x)"}, "signature changed"),
-        ({"target": RUN, "wrapper": "_engine_targets:NOT_CALLABLE"}, "not callable"),
-        ({"target": RUN, "wrapper": "_engine_targets:nope"}, "has no attribute 'nope'"),
+        ({"target": "support.engine_targets:Engine.missing", "wrapper": "support.engine_targets:add_ten"}, "no attribute 'missing'"),
+        ({"target": "_no_such_module_xyz:f", "wrapper": "support.engine_targets:add_ten"}, "ModuleNotFoundError"),
+        ({"target": RUN, "wrapper": "support.engine_targets:add_ten", "signature": "(self, x)"}, "signature changed"),
+        ({"target": RUN, "wrapper": "support.engine_targets:NOT_CALLABLE"}, "not callable"),
+        ({"target": RUN, "wrapper": "support.engine_targets:nope"}, "has no attribute 'nope'"),
     ],
 )
 def test_all_or_nothing_when_one_patch_is_broken(fresh_targets, broken, reason):
     original_helper = fresh_targets.helper
     original_run = fresh_targets.Engine.__dict__["run"]
-    engine = Engine(make_set([{"target": HELPER, "wrapper": "_engine_targets:add_ten"}, broken]))
+    engine = Engine(make_set([{"target": HELPER, "wrapper": "support.engine_targets:add_ten"}, broken]))
     with pytest.raises(PatchError, match=reason) as info:
         engine.apply()
     assert "left untouched" in str(info.value) and broken["target"] in str(info.value)
@@ -218,13 +218,13 @@ def test_inherited_attribute_is_refused():
 
     sys.modules["_engine_child"] = type(sys)("_engine_child")
     sys.modules["_engine_child"].Child = Child
-    engine = Engine(make_set([{"target": "_engine_child:Child.run", "wrapper": "_engine_targets:add_ten"}]))
+    engine = Engine(make_set([{"target": "_engine_child:Child.run", "wrapper": "support.engine_targets:add_ten"}]))
     with pytest.raises(PatchError, match="of its own"):
         engine.apply()
 
 
 def test_foreign_wrapper_on_top_is_kept_and_ours_becomes_pass_through(fresh_targets):
-    engine = Engine(make_set([{"target": HELPER, "wrapper": "_engine_targets:add_ten"}]))
+    engine = Engine(make_set([{"target": HELPER, "wrapper": "support.engine_targets:add_ten"}]))
     engine.activate(strict=True)
 
     def foreign(wrapped, instance, args, kwargs):
@@ -248,7 +248,7 @@ def test_foreign_wrapper_on_top_is_kept_and_ours_becomes_pass_through(fresh_targ
 def test_lazy_apply_on_import_of_the_trigger(tmp_path, monkeypatch):
     (tmp_path / "_lazy_lib.py").write_text("def f():\n    return 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    engine = Engine(make_set([{"target": "_lazy_lib:f", "wrapper": "_engine_targets:add_ten"}]))
+    engine = Engine(make_set([{"target": "_lazy_lib:f", "wrapper": "support.engine_targets:add_ten"}]))
     engine.activate(strict=True)
     assert "_lazy_lib" not in sys.modules and engine.states[0].status == "pending"
     import _lazy_lib
@@ -262,7 +262,7 @@ def test_lazy_apply_on_import_of_the_trigger(tmp_path, monkeypatch):
 def test_inactive_engine_ignores_its_import_hook(tmp_path, monkeypatch):
     (tmp_path / "_lazy_lib2.py").write_text("def f():\n    return 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    engine = Engine(make_set([{"target": "_lazy_lib2:f", "wrapper": "_engine_targets:add_ten"}]))
+    engine = Engine(make_set([{"target": "_lazy_lib2:f", "wrapper": "support.engine_targets:add_ten"}]))
     engine.activate()
     engine.deactivate()
     import _lazy_lib2

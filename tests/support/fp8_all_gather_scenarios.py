@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import os
 
-try:
-    import _scenarios as S
-except ImportError:  # tests/support/ layout
-    from support import scenarios as S
+from . import scenarios as S
 
 STEPS = 4
 LR = 0.05
@@ -39,13 +36,10 @@ def _te_recipe(kind):
 
 
 def _sibling(name):
-    """A sibling scenario module (tests/_<name>.py, or tests/support/<name>.py once the helpers moved there)."""
+    """A sibling scenario module of tests/support/."""
     import importlib
 
-    try:
-        return importlib.import_module(f"_{name}")
-    except ImportError:
-        return importlib.import_module(f"support.{name}")
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def _reset_te():
@@ -274,7 +268,7 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
 
 def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp_replicate=None, tp=None, steps=3,
            ckpt_dir=None, grad_ckpt=False, loaded=False, ram_efficient=False):
-    """A transformers model of ``family`` (tests/_zoo_scenarios.py's tiny configs) under FSDP2 / HSDP / FSDP2 x TP
+    """A transformers model of ``family`` (tests/support/zoo_scenarios.py's tiny configs) under FSDP2 / HSDP / FSDP2 x TP
     with the switch: losses and clipped grad norms every step vs the one-process reference (FP8 weights when on),
     which weights were gathered in FP8, the packed reductions per step; ``ckpt_dir``: save_state, then load_state
     into a differently initialised model with the switch, every parameter compared; ``grad_ckpt``: transformers'

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import warnings
 
-import _fp8_scenarios as F
-import _scenarios as S
+from . import fp8_scenarios as F
+from . import scenarios as S
 
 STEPS = 6
 LR = 0.02

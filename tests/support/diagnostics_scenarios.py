@@ -14,10 +14,10 @@ import os
 import sys
 import traceback
 
-import _fp8_scenarios as F
-import _scenarios as S
+from . import fp8_scenarios as F
+from . import scenarios as S
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED_ERRORS = ("does not have a sharding strategy registered", "found no DeviceMesh from dtensor args")
 
 

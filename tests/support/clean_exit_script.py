@@ -2,7 +2,7 @@
 accelerate, a tiny transformers Qwen2 built from a config, a few steps, and no `end_training()` /
 `destroy_process_group()` at the end — most scripts have neither. It must leave with exit status 0.
 
-    accelerate launch --config_file CONFIG tests/_clean_exit_script.py [--steps N] [--in-flight]
+    accelerate launch --config_file CONFIG tests/support/clean_exit_script.py [--steps N] [--in-flight]
 
 `--in-flight` ends with an all-reduce still running on gloo's worker thread when the script returns (what widens
 the teardown race: the worker drops its tensors while the interpreter finalizes).

@@ -13,14 +13,9 @@ from __future__ import annotations
 
 import os
 
-try:  # tests/support/ (package) or the flat tests/_*.py modules
-    from support import fp8_scenarios as F  # type: ignore[import-not-found]
-    from support import scenarios as S  # type: ignore[import-not-found]
-    from support import zoo_scenarios as Z  # type: ignore[import-not-found]
-except ImportError:
-    import _fp8_scenarios as F
-    import _scenarios as S
-    import _zoo_scenarios as Z
+from . import fp8_scenarios as F
+from . import scenarios as S
+from . import zoo_scenarios as Z
 
 LR = 1e-2
 GLOBAL_BATCH = 8
@@ -214,10 +209,8 @@ def sc_3d(rank, world_size, out_dir, steps=4):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    try:
-        from support import tp_scenarios as T  # type: ignore[import-not-found]
-    except ImportError:
-        import _tp_scenarios as T
+    from . import tp_scenarios as T
+
     S.ensure_rehearsal(True)
     ref, ref_norms = T._reference_losses(steps, fsdp2=True, max_norm=T.CLIP)
     acc = S.make_accelerator(fsdp=True, dp_replicate=2, dp_shard=2, tp=2, mixed_precision="fp8", fp8_recipe=F.RECIPE,

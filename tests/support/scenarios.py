@@ -17,7 +17,7 @@ rehearsal), :data:`ENV_REHEARSAL` (no fixes, TE's Python on CPU + rehearsal via 
 :data:`ENV_FIXED` (fixes on + TE's Python on CPU + rehearsal). Scenarios also call :func:`ensure_rehearsal` so
 they state which gate setting they expect.
 
-``python tests/_scenarios.py --out FILE`` (run by ``accelerate launch``) is the launched-script mode:
+``python tests/support/scenarios.py --out FILE`` (run by ``accelerate launch``) is the launched-script mode:
 each rank writes what it saw to ``FILE.rank<N>.json``.
 """
 
@@ -857,7 +857,6 @@ def launch(plan, world_size: int, env: dict | None = None, timeout: float = 150.
             init_process_group=False,
             timeout=timeout,
             collective_timeout=collective_timeout,
-            sys_path=[os.path.dirname(os.path.abspath(__file__))],
             audit_collectives=audit_collectives,
         )
     return _LAUNCHES[key]
@@ -874,7 +873,7 @@ def facts_of(results, name):
     return out
 
 
-# -- launched-script mode (accelerate launch tests/_scenarios.py --out FILE) ------------------------------
+# -- launched-script mode (accelerate launch tests/support/scenarios.py --out FILE) ------------------------------
 def _launched_main(argv=None) -> int:
     import argparse
 

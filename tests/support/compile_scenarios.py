@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-import _scenarios as S
+from . import scenarios as S
 
 VOCAB = 128
 TOKENS = (2, 8)  # 16 tokens per rank: a multiple of 8, as TE's FP8 GEMMs need

@@ -18,11 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _fp8_scenarios as F
-import _scenarios as S
-import _zoo_scenarios as Z
+from . import fp8_scenarios as F
+from . import scenarios as S
+from . import zoo_scenarios as Z
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 CLIP = 1.0  # Trainer's max_grad_norm: below the model's grad norm (~1.3-1.9), so clipping acts at every step
 ND_CONFIG = ROOT / "examples" / "fsdp2_tp_fp8.yaml"  # the demo's: FSDP2 dp_shard 2 x TP 2, fp8, the flag

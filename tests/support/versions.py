@@ -3,7 +3,7 @@
 * :func:`install` puts ``accelerate==<version>`` (``pip install --no-deps --target``) into a cache directory
   (``$ACCEL_FP8_FIX_TEST_CACHE`` or ``~/.cache/accel_fp8_fix``, ``accelerate-<version>``), which shadows the
   venv's accelerate through ``PYTHONPATH`` (like ``old_accelerate`` in tests/distributed/test_activation.py).
-* ``python tests/_versions.py probe`` (run with ``PYTHONPATH=<that dir>``) prints, as JSON, what the patch
+* ``python tests/support/versions.py probe`` (run with ``PYTHONPATH=<that dir>``) prints, as JSON, what the patch
   engine made of that accelerate: the report of the fix set, the rehearsal gates, and every declared target's
   signature next to the one found.
 * :func:`suite` runs a plan of scenarios from this module, ``_fp8_scenarios`` and ``_scenarios`` inside the
@@ -103,8 +103,8 @@ def probe() -> dict:
 def run_probe(version_dir: str, timeout: float = 120) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=version_dir, ACCEL_FP8_FIX_REHEARSAL="1")
-    proc = subprocess.run([sys.executable, str(HERE / "_versions.py"), "probe"], env=env, capture_output=True,
+    env.update(PYTHONPATH=os.pathsep.join((version_dir, str(HERE.parent))), ACCEL_FP8_FIX_REHEARSAL="1")
+    proc = subprocess.run([sys.executable, "-m", "support.versions", "probe"], env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"probe failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -116,7 +116,7 @@ def sc_accelerate_version(rank, world_size):
     """Which accelerate this rank really imported, and which layers were on."""
     import accelerate
 
-    import _scenarios as S
+    from . import scenarios as S
 
     return {"version": accelerate.__version__, "file": accelerate.__file__, **S.meta_facts()}
 
@@ -124,8 +124,8 @@ def sc_accelerate_version(rank, world_size):
 def suite(rank, world_size, plan):
     """Run ``plan`` = [(scenario name, kwargs), ...]; a name is looked up in this module, then
     ``_fp8_scenarios``, then ``_scenarios``. Errors are recorded like ``_scenarios.suite``."""
-    import _fp8_scenarios as F
-    import _scenarios as S
+    from . import fp8_scenarios as F
+    from . import scenarios as S
 
     import time
 
@@ -151,7 +151,7 @@ def launch(plan, version_dir: str, env: dict, world_size: int = 2, timeout: floa
 
     return run_distributed(
         suite, world_size, args=(plan,), env={**env, "PYTHONPATH": version_dir}, init_process_group=False,
-        timeout=timeout, collective_timeout=60, sys_path=[str(HERE)],
+        timeout=timeout, collective_timeout=60,
     )
 
 
@@ -159,4 +159,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["probe"]:
         print(json.dumps(probe()))
     else:
-        sys.exit(f"usage: {sys.argv[0]} probe")
+        sys.exit("usage: python -m support.versions probe")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-import _scenarios as S
+from . import scenarios as S
 
 STEPS = 10
 LR = 0.05
