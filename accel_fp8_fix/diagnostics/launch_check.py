@@ -274,11 +274,17 @@ def _all_gather_check(cfg: dict, environ: dict):
         class_name = None  # reported by the recipe check
     te = _te_version()
     why = policy.refusal(class_name, is_fsdp2=is_fsdp2, cpu_offload=offload,
-                         versions={"transformer-engine": te} if te else None)
+                         versions={"transformer-engine": te, "torch": _installed("torch")} if te else None)
     if why is not None:
         return Check("FP8 all-gather", False, f"{setting.label}=fp8 cannot run: {why}",
                      "remove `all_gather: fp8` from fp8_config (or all_gather: high_precision)")
     return Check("FP8 all-gather", True, f"{setting.label}: fp8 (weights gathered as FP8 + scale; {class_name})")
+
+
+def _installed(name: str) -> str | None:
+    from ..engine.versions import installed_version
+
+    return installed_version(name)
 
 
 def _te_version() -> str | None:

@@ -51,11 +51,14 @@ def refusal(recipe=None, *, is_fsdp2: bool, cpu_offload: bool = False, versions=
     if name is not None and name not in SERVED_RECIPES:
         return f"the {name} recipe is not one it serves ({', '.join(SERVED_RECIPES)})"
     if versions is not None:
-        from ..internals.transformer_engine import fp8_all_gather_missing
+        from ..internals import torch_fsdp2, transformer_engine
 
-        missing = fp8_all_gather_missing(versions)
+        missing = transformer_engine.fp8_all_gather_missing(versions)
         if missing:
             return "the installed Transformer Engine lacks what it needs: " + "; ".join(missing)
+        missing = torch_fsdp2.fp8_all_gather_missing(versions)
+        if missing:
+            return "the installed torch's FSDP2 lacks what it needs: " + "; ".join(missing)
     return None
 
 
@@ -83,7 +86,7 @@ def check_request(accelerator) -> bool:
     if not on:
         return False
     plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
-    versions = {"transformer-engine": installed_version("transformer-engine")}
+    versions = {name: installed_version(name) for name in ("transformer-engine", "torch")}
     why = refusal(_recipe_class_name(handler), is_fsdp2=bool(accelerator.is_fsdp2), versions=versions,
                   cpu_offload=_offloaded(plugin))
     if why is not None:

@@ -17,9 +17,12 @@ _SOURCES = (
     ("_fsdp_param.py", "class ParamModuleInfo"),
     ("_fsdp_param.py", "self._module_info"),
     ("_fsdp_param.py", "shared_modules"),
-    # the all-gather extension hooks (FP8 all-gather, fixes/fp8_all_gather.py)
+)
+# What only the opt-in FP8 all-gather uses (FSDP2's all-gather extension, fixes/fp8_all_gather.py): checked at
+# prepare when the switch is on, so a torch without them refuses the switch by name, not the whole patch set.
+FP8_ALL_GATHER_SOURCES = (
     ("_fsdp_param.py", "def _init_extensions("),
-    ("_fsdp_param.py", 'hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")'),
+    ("_fsdp_param.py", '"fsdp_pre_all_gather"'),
     ("_fsdp_param.py", "def _sharded_local_tensor("),
     ("_fsdp_param.py", "self.all_gather_outputs"),
     ("_fsdp_param.py", "post_forward_mesh_info"),
@@ -34,6 +37,13 @@ def check(versions) -> list[str]:
     from . import check_sources
 
     return check_sources("torch", versions, _SOURCES, "distributed/fsdp/_fully_shard")
+
+
+def fp8_all_gather_missing(versions) -> list[str]:
+    """What the FP8 all-gather needs of the installed torch's FSDP2 and is not there (empty: all there)."""
+    from . import check_sources
+
+    return check_sources("torch", versions, FP8_ALL_GATHER_SOURCES, "distributed/fsdp/_fully_shard")
 
 
 def fsdp_params(model) -> list:
