@@ -507,3 +507,25 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
             "reference": reference, "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "fp8_gemms_bwd": stats["fp8_gemms_bwd"],
             "non_fp8_gemms": stats["non_fp8_gemms"], "mxfp8_casts": stats.get("quantize_MXFP8Quantizer", 0),
             "amax_reductions": stats["amax_reductions"], "extra_state_sizes": sorted(set(extra.values()))}
+
+
+def train_te_reference(model, recipe, batch: dict, steps: int, lr: float, max_norm: float) -> tuple[list, list]:
+    """One process, the TE-converted ``model`` trained with SGD under TE autocast (no amax group): the losses and
+    clipped grad norms per step the multi-rank runs are compared with."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, norms = [], []
+    for _ in range(steps):
+        with te_autocast(te)(True, recipe, None):
+            loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    reset_te_global_state()
+    return losses, norms

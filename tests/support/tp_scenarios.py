@@ -33,11 +33,9 @@ def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP, intermediate=None
     """The same Llama, converted to TE in one process (``keep`` — lm_head, as under TP — kept), full batch, clipped
     to ``max_norm``: (losses, grad norms before clipping). ``fsdp2``: the TE modules take TE's FSDP2 weight path,
     as the ranks do."""
-    import torch
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
     model = S.tiny_llama(seed=0, **_sizes(intermediate))
@@ -47,18 +45,7 @@ def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP, intermediate=None
             module._is_fsdp2 = True
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                       reduce_amax=False)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for _ in range(steps):
-        with te_autocast(te)(True, recipe, None):
-            loss = model(**_batch()).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    F.reset_te_global_state()
-    return losses, norms
+    return F.train_te_reference(model, recipe, _batch(), steps, LR, max_norm)
 
 
 def _sizes(intermediate):

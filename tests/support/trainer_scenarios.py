@@ -73,10 +73,8 @@ def dataset():
 def reference(steps: int = STEPS):
     """One process, full batch, the model converted to TE (lm_head kept, as on the ranks), SGD with the clip the
     Trainer applies: (losses, grad norms before clipping)."""
-    import torch
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
@@ -86,18 +84,7 @@ def reference(steps: int = STEPS):
     for module in model.modules():
         if hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
-    opt = torch.optim.SGD(model.parameters(), lr=Z.LR)
-    losses, norms = [], []
-    for _ in range(steps):
-        with te_autocast(te)(True, recipe, None):
-            loss = model(**Z.batch()).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    F.reset_te_global_state()
-    return losses, norms
+    return F.train_te_reference(model, recipe, Z.batch(), steps, Z.LR, CLIP)
 
 
 def _arguments(per_device: int, use_cpu: bool = False):
