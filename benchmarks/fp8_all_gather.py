@@ -16,7 +16,9 @@ last step (after warm-up):
   tensors) alive at each TE module's forward, maximum over the step;
 * the losses of each run.
 
-Run: ``python benchmarks/fp8_all_gather.py [--dim 256 --depth 4 --worlds 2,4 --steps 3]`` (~2 min on 2 cores).
+Run: ``python benchmarks/fp8_all_gather.py [--dim 256 --depth 4 --worlds 2,4 --steps 3]`` (~2 min on 2 cores);
+``--recipe block --dim 512``: Float8BlockScaling (128x128 tile scales ride in the gather; the head is ``dim`` wide so
+every shard is whole tiles on 4 ranks).
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ def _scenarios():
     return A
 
 
-def _row(world, policy, mode, f, steps):
+def _row(world, policy, mode, f, gathered_params):
+    """``gathered_params``: parameter elements FSDP2 gathered in the last step (the switch-off run's element count:
+    the same schedule), so the switch's scale bytes count against the parameters they serve."""
     last = f["per_step"][-1]
     weights = f["fp8_weight_numel"] or f["model_numel"]
     per_step = last["all_gathered_bytes"] / f["model_numel"]
-    per_gather = last["all_gathered_bytes"] / last["all_gathered_numel"]
-    return (f"| {world} | {policy} | {mode} | {per_step:.3f} | {per_gather:.3f} | {last['weight_amax_reductions']} | "
+    per_gather = last["all_gathered_bytes"] / gathered_params
+    return (f"| {world} | {policy} | {mode} | {per_step:.3f} | {per_gather:.5f} | {last['weight_amax_reductions']} | "
             f"{len(last['all_reduces'])} | {f['peak_unsharded_bytes_forward'] / 1024:.1f} | "
             f"{f['peak_unsharded_bytes_forward'] / weights:.3f} | {', '.join(f'{x:.4f}' for x in f['losses'])} |")
 
@@ -56,16 +60,22 @@ def main(argv=None):
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--recipe", choices=("delayed", "current", "block"), default="delayed")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     A = _scenarios()
+    print(f"recipe: {args.recipe}")
     print("| ranks | FSDP2 param_dtype | all_gather | bytes gathered / param / step | bytes / param / gather | "
           "weight-amax all-reduces / step | all_reduce calls / step | peak unsharded weights in forward (KiB) | "
           "peak / converted param (B) | losses |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for world in (int(w) for w in args.worlds.split(",")):
+        out = args.dim if args.recipe == "block" else 16
         plan = [("sc_train", {"all_gather": mode, "policy": policy, "model": "linear_stack", "dim": args.dim,
-                              "depth": args.depth, "steps": args.steps, "reference": False})
+                              "depth": args.depth, "steps": args.steps, "reference": False,
+                              "recipe": args.recipe, "out": out,
+                              # block scaling: 16 tokens a rank at least (TE's block-scaled GEMM shape rule)
+                              "global_batch": 64 if args.recipe == "block" else 32})
                 for policy in ("bf16", "fp32") for mode in ("high_precision", "fp8")]
         print(f"running {world} ranks ...", file=sys.stderr, flush=True)
         results = A.launch(plan, world, timeout=900.0)
@@ -75,8 +85,10 @@ def main(argv=None):
             for rank, f in enumerate(facts):
                 if "scenario_error" in f:
                     raise SystemExit(f"rank {rank}: {f['scenario_error']}\n" + "\n".join(f["traceback"]))
+            if kwargs["all_gather"] != "fp8":  # first in each policy's pair
+                gathered_params = facts[0]["per_step"][-1]["all_gathered_numel"]
             mode = "fp8" if kwargs["all_gather"] == "fp8" else "high precision"
-            print(_row(world, kwargs["policy"], mode, facts[0], args.steps))
+            print(_row(world, kwargs["policy"], mode, facts[0], gathered_params))
     return 0
 
 

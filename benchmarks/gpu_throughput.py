@@ -8,9 +8,10 @@ Each configuration runs in its own process (fresh CUDA memory, fresh accelerate 
 * ``bf16``: ``Accelerator(mixed_precision="bf16")``, the same FSDP2 plugin; no TE.
 * ``fp8-delayed``: ``mixed_precision="fp8"`` with accelerate's ``TERecipeKwargs`` (DelayedScaling, HYBRID,
   amax history 16, max).
-* ``fp8-delayed-ag8`` / ``fp8-current-ag8``: the same recipe with the FP8 all-gather
+* ``fp8-delayed-ag8`` / ``fp8-current-ag8`` / ``fp8-block-ag8``: the same recipe with the FP8 all-gather
   (``ACCELERATE_FP8_ALL_GATHER=fp8``: weights quantized on the FSDP2 shard, gathered as FP8, handed to TE as
-  Float8Tensors; one packed weight-amax all-reduce per step; the row's ``fp8_all_gather`` = weights served so).
+  Float8Tensors — Float8BlockwiseQTensors under block scaling; one packed weight-amax all-reduce per step, none
+  under block scaling; the row's ``fp8_all_gather`` = weights served so).
   On one GPU the all-gather is a local copy: the row measures the quantize-once weight path; the bytes on the
   wire are benchmarks/fp8_all_gather.py's (2 and 4 ranks).
 * ``fp8-current`` / ``fp8-block`` / ``fp8-mxfp8``: the same, with the recipe accelerate would build replaced by
@@ -26,7 +27,12 @@ Prints the table (markdown) and one ``BENCH_ROW {json}`` line per configuration;
 table there too. ``--tiny`` runs a small model on CPU over TE's real Python with the CPU rehearsal
 (``ACCEL_FP8_FIX_REHEARSAL=1``): a check of this script, no speed figures.
 
-Run (one GPU, real TE): ``python benchmarks/gpu_throughput.py [--table out.md] [--budget 240]``.
+``--model qwen3_moe``: the same configurations on a Qwen3-MoE-shaped model (transformers' ``Qwen3MoeForCausalLM``:
+8 layers, hidden 2048, 16 heads / 4 KV heads, 64 experts of MLP 768 with top-8 routing: 2.6 B parameters, 0.45 B
+active a token), the experts' GEMMs through TE's grouped GEMM (fixes/moe_experts.py); TFLOP/s counts the active
+parameters, and the GEMM column counts grouped GEMM calls as one each.
+
+Run (one GPU, real TE): ``python benchmarks/gpu_throughput.py [--table out.md] [--budget 240] [--model qwen3_moe]``.
 """
 
 from __future__ import annotations
@@ -43,11 +49,13 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("bf16", "fp8-delayed", "fp8-delayed-ag8", "fp8-current", "fp8-current-ag8", "fp8-block", "fp8-mxfp8")
+CONFIGS = ("bf16", "fp8-delayed", "fp8-delayed-ag8", "fp8-current", "fp8-current-ag8", "fp8-block", "fp8-block-ag8",
+           "fp8-mxfp8")
 AG8 = "-ag8"  # the same recipe with the FP8 all-gather (ACCELERATE_FP8_ALL_GATHER=fp8, fixes/fp8_all_gather.py)
 SUPPORT = {"fp8-delayed": "is_fp8_available", "fp8-current": "is_fp8_available",
            "fp8-delayed-ag8": "is_fp8_available", "fp8-current-ag8": "is_fp8_available",
-           "fp8-block": "is_fp8_block_scaling_available", "fp8-mxfp8": "is_mxfp8_available"}
+           "fp8-block": "is_fp8_block_scaling_available", "fp8-block-ag8": "is_fp8_block_scaling_available",
+           "fp8-mxfp8": "is_mxfp8_available"}
 RECIPE_KWARGS = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
 
 
@@ -69,25 +77,64 @@ def _substitute_recipe(config: str):
     prepare.build_recipe = lambda handler: (make(), False)
 
 
+def _quantized(operand) -> bool:
+    if isinstance(operand, (list, tuple)):
+        return bool(operand) and all(_quantized(o) for o in operand)
+    return type(operand).__module__.startswith("transformer_engine.")
+
+
 class GemmCounter:
-    """Counts TE's GEMM calls and those whose two operands are TE quantized (FP8) tensors."""
+    """Counts TE's GEMM calls (a grouped GEMM — MoE experts — as one) and those whose two operands are TE quantized
+    (FP8) tensors."""
 
     def __init__(self):
         import transformer_engine_torch as tex
 
-        self.tex, self.original = tex, tex.generic_gemm
-        self.calls = self.fp8 = 0
+        self.calls = self.fp8 = self._inside = 0
         self.enabled = False
+        for name in ("generic_gemm", "te_general_grouped_gemm"):
+            if hasattr(tex, name):
+                setattr(tex, name, self._counting(getattr(tex, name)))
 
+    def _counting(self, original):
         def counting(*args, **kwargs):
-            if self.enabled:
+            if self.enabled and not self._inside:  # the CPU shim's grouped GEMM calls generic_gemm per group
                 self.calls += 1
                 operands = (args[0], args[2]) if len(args) > 2 else ()
-                if operands and all(type(o).__module__.startswith("transformer_engine.") for o in operands):
+                if operands and all(_quantized(o) for o in operands):
                     self.fp8 += 1
-            return self.original(*args, **kwargs)
+            self._inside += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside -= 1
 
-        tex.generic_gemm = counting
+        return counting
+
+
+def _model(args, device):
+    """(model, decoder layer class name, parameters active per token) of ``args.model``."""
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=args.heads, max_position_embeddings=args.seq, tie_word_embeddings=False,
+                  attn_implementation="sdpa")
+    if args.model == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(num_key_value_heads=max(1, args.heads // 4), head_dim=args.hidden // args.heads,
+                                   num_experts=args.experts, num_experts_per_tok=args.top_k,
+                                   moe_intermediate_size=args.intermediate, decoder_sparse_step=1, **common)
+        cls, layer = tf.Qwen3MoeForCausalLM, "Qwen3MoeDecoderLayer"
+    else:
+        config = tf.LlamaConfig(num_key_value_heads=args.heads, intermediate_size=args.intermediate, **common)
+        cls, layer = tf.LlamaForCausalLM, "LlamaDecoderLayer"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(config)
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = params - experts + experts * args.top_k // max(1, args.experts) if experts else params
+    return model, layer, params, active
 
 
 def run_one(args) -> dict:
@@ -105,7 +152,6 @@ def run_one(args) -> dict:
     accel_fp8_fix.activate()
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, TERecipeKwargs
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
                             rank=0, world_size=1, timeout=timedelta(seconds=120))
@@ -116,18 +162,11 @@ def run_one(args) -> dict:
         os.environ["ACCELERATE_FP8_ALL_GATHER"] = "fp8"
     if fp8 and base != "fp8-delayed":
         _substitute_recipe(base)
+    model, layer, params, active = _model(args, device)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+                                            transformer_cls_names_to_wrap=[layer])
     accelerator = Accelerator(mixed_precision="fp8" if fp8 else "bf16", fsdp_plugin=plugin,
                               kwargs_handlers=[TERecipeKwargs(**RECIPE_KWARGS)] if fp8 else [])
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.heads, max_position_embeddings=args.seq,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if cuda else {}))
     started = time.perf_counter()
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -175,8 +214,9 @@ def run_one(args) -> dict:
     elapsed = time.perf_counter() - started
     tokens = args.batch * args.seq * args.steps
     row.update(
-        params_b=round(params / 1e9, 3), tokens_per_step=args.batch * args.seq, steps=args.steps,
-        tokens_per_s=round(tokens / elapsed), step_s=round(elapsed / args.steps, 4), tflops_6n=round(6 * params * tokens / elapsed / 1e12, 1),
+        model=args.model, params_b=round(params / 1e9, 3), active_params_b=round(active / 1e9, 3),
+        tokens_per_step=args.batch * args.seq, steps=args.steps, tokens_per_s=round(tokens / elapsed),
+        step_s=round(elapsed / args.steps, 4), tflops_6n=round(6 * active * tokens / elapsed / 1e12, 1),
         peak_gib_steps=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         last_loss=round(last, 4), loss_finite=math.isfinite(last),
         fixes_active=setup is not None, te_modules=len(te_modules),
@@ -212,9 +252,12 @@ def table(rows: list[dict], skipped: dict[str, str]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--layers", type=int, default=18)
+    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--intermediate", type=int, help="MLP width (an expert's, for qwen3_moe)")
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq", type=int, default=2048)
@@ -226,9 +269,15 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="small model on CPU, TE's Python over the rehearsal")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    moe = args.model == "qwen3_moe"
+    args.layers = args.layers or (8 if moe else 18)
+    args.intermediate = args.intermediate or (768 if moe else 5632)
+    if not moe:
+        args.experts = args.top_k = 0
     if args.tiny:
-        args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 128, 256, 4, 512
+        args.layers, args.hidden, args.intermediate, args.heads, args.vocab = 2, 128, 64 if moe else 256, 4, 512
         args.seq, args.batch, args.warmup, args.steps = 64, 2, 2, 2
+        args.experts, args.top_k = (4, 2) if moe else (0, 0)
         os.environ["ACCEL_FP8_FIX_REHEARSAL"] = "1"
     if args.one:
         try:

@@ -4,7 +4,8 @@ dry run (``install``). Standard library at import: nothing is installed yet when
 ``run`` keeps to a time budget (``--budget`` seconds, under the device command's 600 s limit): each stage
 gets what is left, at most its own cap, and results are written under ``--out`` as they come, so a stage
 that runs out of time still leaves the others' results. At most 8 files go to ``--out`` (the device tool
-returns no more): run.log, tests.log, ranks.log, benchmark.log, benchmark.md, results.json, summary.md.
+returns no more): run.log, tests.log, ranks.log, benchmark.log, benchmark.md, benchmark_moe.md, results.json,
+summary.md.
 """
 
 from __future__ import annotations
@@ -262,12 +263,27 @@ def tests_gpu(run: Run) -> None:
               outcomes=[f"{o} {t}" for o, t in outcomes])
 
 
+MOE_SECONDS = 120  # kept for the MoE rows (benchmark_moe) out of what the Llama rows may use
+MOE_ARGS = ("--model", "qwen3_moe", "--layers", "4", "--configs", "bf16,fp8-delayed,fp8-current", "--warmup", "2",
+            "--steps", "6")
+
+
 def benchmark(run: Run) -> None:
     command = [sys.executable, "benchmarks/gpu_throughput.py", "--table", str(run.out / "benchmark.md"),
-               "--budget", str(max(30, int(run.left() - 25))), *os.environ.get("GPU_KIT_BENCH_ARGS", "").split()]
-    code, output, seconds = run.sub("throughput benchmark", command, "benchmark.log", cap=260, reserve=10)
+               "--budget", str(max(30, int(run.left() - 25 - MOE_SECONDS))),
+               *os.environ.get("GPU_KIT_BENCH_ARGS", "").split()]
+    code, output, seconds = run.sub("throughput benchmark", command, "benchmark.log", cap=260, reserve=10 + MOE_SECONDS)
     rows = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("BENCH_ROW ")]
     run.stage("benchmark", exit=code, seconds=round(seconds), rows=rows)
+
+
+def benchmark_moe(run: Run) -> None:
+    """bf16 vs FP8 on a Qwen3-MoE-shaped model: the experts on TE grouped GEMMs (fixes/moe_experts.py)."""
+    command = [sys.executable, "benchmarks/gpu_throughput.py", "--table", str(run.out / "benchmark_moe.md"),
+               "--budget", str(max(30, int(min(MOE_SECONDS, run.left() - 15)))), *MOE_ARGS]
+    code, output, seconds = run.sub("MoE throughput benchmark", command, "benchmark.log", cap=MOE_SECONDS, reserve=5)
+    rows = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("BENCH_ROW ")]
+    run.stage("benchmark_moe", exit=code, seconds=round(seconds), rows=rows)
 
 
 def summary(run: Run) -> None:
@@ -283,9 +299,9 @@ def summary(run: Run) -> None:
     for name, fields in stages.items():
         brief = {k: v for k, v in fields.items() if k not in ("rows", "stderr_tail", "error_tail", "log")}
         lines.append(f"- **{name}**: `{json.dumps(brief, default=str)[:1500]}`")
-    table = run.out / "benchmark.md"
-    if table.is_file():
-        lines += ["", table.read_text()]
+    for table in (run.out / "benchmark.md", run.out / "benchmark_moe.md"):
+        if table.is_file():
+            lines += ["", table.read_text()]
     (run.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -327,6 +343,7 @@ def checks(run: Run, imported: dict) -> int:
     tests_gpu(run)
     ranks_runs(run)
     benchmark(run)
+    benchmark_moe(run)
     run.log(f"done, {run.left():.0f} s of the budget left")
     summary(run)
     return 0

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..distributed.dtensor import is_dtensor
+from ..fixes import moe_experts
 from ..internals.transformer_engine import GEMMS_PER_MODULE
 
 __all__ = ["audit", "AuditReport", "ModuleAudit", "ParamAudit", "Coverage", "remember_setup", "warn_partial_coverage"]
@@ -189,7 +190,14 @@ def _is_te(module) -> bool:
 
 
 def _type_name(module) -> str:
+    if moe_experts.is_converted(module):
+        return f"{type(module).__name__} (te.GroupedLinear x{len(moe_experts.RUNNERS)})"
     return ("te." if _is_te(module) else "") + type(module).__name__
+
+
+def _experts_fp8(module) -> bool:
+    """Packed MoE experts whose grouped GEMMs ran in FP8 (their TE runners' last forward)."""
+    return any(getattr(getattr(module, r, None), "fp8", False) for r in moe_experts.RUNNERS)
 
 
 def _param_audit(name, p) -> ParamAudit:
@@ -307,16 +315,22 @@ def _is_router(module, name: str = "") -> bool:
     return "router" in cls or "gate" == cls or name.rsplit(".", 1)[-1] in ("router", "gate")
 
 
-def _high_precision_reason(name, module, why_not) -> str:
+ROUTER_REASON = ("kept in high precision by design: its GEMM has one output per expert (far below FP8's 16-wide "
+                 "tiles in most models) and feeds a top-k whose expert choice FP8 rounding would flip")
+
+
+def _high_precision_reason(name, module, why_not, skipped=None) -> str:
     if _is_router(module, name):
         if isinstance(module, nn.Linear):
             return "MoE router" + (f": {why_not}" if why_not else "")
-        return (f"MoE router ({type(module).__name__}): a GEMM on its own 2-D weight, not a Linear the conversion "
-                "replaces")
+        return f"MoE router ({type(module).__name__}, a GEMM on its own 2-D weight): {ROUTER_REASON}"
     if type(module).__name__ == "Conv1D":
         return "transformers Conv1D: not converted to Transformer Engine"
+    if moe_experts.is_converted(module):
+        return f"MoE experts on Transformer Engine grouped GEMMs: {why_not or 'not in FP8'}"
     if not isinstance(module, nn.Linear) and not _is_te(module):
-        return "MoE experts fused into a 3-D parameter: Transformer Engine's Linear takes 2-D weights"
+        return ("MoE experts fused into a 3-D parameter: " + (skipped or "Transformer Engine's Linear takes 2-D weights"
+                                                             + (f" ({why_not})" if why_not else "")))
     return why_not or "not in FP8"
 
 
@@ -346,9 +360,14 @@ def audit(model: nn.Module, accelerator=None) -> AuditReport:
         gemms = _gemm_weights(module)
         if not (params or fp8_state or stray or te):
             continue
-        fp8 = te and bool(gemms) and (autocast or bool(getattr(module, "fp8", False)))
+        experts = moe_experts.is_converted(module)
+        fp8 = (te or experts) and bool(gemms) and (autocast or bool(getattr(module, "fp8", False))
+                                                  or (experts and _experts_fp8(module)))
         why_not = ""
-        if not te and (gemms or isinstance(module, nn.Linear)):
+        if experts and not fp8:
+            why_not = ("FP8 off: the forward does not run under Transformer Engine's autocast (stock accelerate "
+                       "FSDP2 path, A2)")
+        elif not te and not experts and (gemms or isinstance(module, nn.Linear)):
             why_not = skipped.get(name) or (
                 "not converted: the model was not prepared by accel_fp8_fix's patched prepare (stock accelerate, "
                 "or the fixes off)" if not fixes_prepared else "not converted (not in the conversion report: excluded, or not a type it converts)")
@@ -374,7 +393,7 @@ def audit(model: nn.Module, accelerator=None) -> AuditReport:
                 coverage.fp8_gemms_per_step += per_step
             else:
                 label = name if pname == "weight" else (f"{name}.{pname}" if name else pname)
-                coverage.high_precision.append((label, _high_precision_reason(name, module, why_not)))
+                coverage.high_precision.append((label, _high_precision_reason(name, module, why_not, skipped.get(name))))
     mesh = getattr(setup, "mesh", None)
     ranks = tuple(getattr(setup, "amax_group_ranks", ()) or ()) or None
     return AuditReport(
@@ -401,9 +420,9 @@ def _output_layer(model: nn.Module) -> str | None:
 
 def warn_partial_coverage(model: nn.Module, accelerator=None) -> bool:
     """After a prepare that turned FP8 on: one ``RuntimeWarning`` per job (the speaking rank), at the user's
-    ``prepare`` line, when GEMMs other than the model's output layer stay in high precision — the coverage figure
-    and the first kept GEMMs with their reasons. The output layer alone is by design (kept high precision, as
-    torchtitan and TE's examples do; logged, in ``audit(model)``). ``ACCEL_FP8_FIX_COVERAGE_WARNING=0`` silences
+    ``prepare`` line, when GEMMs other than the model's output layer and MoE routers stay in high precision — the
+    coverage figure and the first kept GEMMs with their reasons. The output layer and the routers are by design
+    (kept high precision, as torchtitan and TE's examples do; in ``audit(model)`` with the reason). ``ACCEL_FP8_FIX_COVERAGE_WARNING=0`` silences
     it. True when it warned."""
     from .. import settings
     from .._log import warn_user
@@ -412,13 +431,15 @@ def warn_partial_coverage(model: nn.Module, accelerator=None) -> bool:
         return False
     coverage = audit(model, accelerator).coverage
     output = _output_layer(model)
-    kept = [(name, why) for name, why in coverage.high_precision if name != output]
+    kept = [(name, why) for name, why in coverage.high_precision if name != output and ROUTER_REASON not in why]
+    by_design = ([f"the output layer {output}"] if output else []) + (
+        ["the MoE routers"] if any(ROUTER_REASON in why for _, why in coverage.high_precision) else [])
     if not kept or not coverage.fp8_params:  # nothing kept, or nothing converted (prepare warns about that)
         return False
     named = "; ".join(f"{name}: {why}" for name, why in kept[:_NAMED_IN_WARNING])
     more = f"; and {len(kept) - _NAMED_IN_WARNING} more" if len(kept) > _NAMED_IN_WARNING else ""
     warn_user(f"accel_fp8_fix: FP8 covers {coverage.fp8_param_share:.1%} of the model's GEMM parameters: {len(kept)} "
-              f"GEMM weight(s) stay in high precision{f' besides the output layer {output}' if output else ''} — "
+              f"GEMM weight(s) stay in high precision{' besides ' + ' and '.join(by_design) if by_design else ''} — "
               f"{named}{more}. accel_fp8_fix.audit(model).coverage lists them all; "
               f"{COVERAGE_WARNING}=0 silences this warning.")
     return True

@@ -1,11 +1,11 @@
 """FP8 state through checkpoints (A7, A13 in docs/failures.md): identical on every rank before a save
-(whichever rank's copy the writer keeps) and after a load (broadcast from the mesh's first rank)."""
+(whichever rank's copy the writer keeps) and after a load (broadcast from the mesh's first rank); TP-packed
+parameters through sharded checkpoints (A16, ``packed_checkpoint``)."""
 
 from __future__ import annotations
 
 from ..internals.accelerate_internals import prepared_models
-from ..internals.torch_internals import is_strided_shard
-from . import tp_checkpoint
+from . import packed_checkpoint, tp_checkpoint
 from .fp8_state import broadcast_fp8_state, reduce_pending_amax
 
 
@@ -21,36 +21,6 @@ def _reduce_pending(accelerator, models) -> None:
     if setup is not None:
         for model in models:
             reduce_pending_amax(model, setup.amax_group)
-
-
-def strided_tp_parameters(model) -> list:
-    """Names of parameters TP shards with ``_StridedShard`` (transformers' ``packed_colwise``: Qwen3-MoE's
-    fused expert ``gate_up_proj``). A rank holds two separate row ranges of such a parameter, which one DCP
-    chunk (offset + size) cannot describe: torch's planner reports overlapping chunks (A16)."""
-    names = []
-    for name, param in model.named_parameters():
-        placements = getattr(param, "placements", ())
-        dims = getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ()
-        for dim_name, placement in zip(dims, placements):
-            if dim_name == "tp" and is_strided_shard(placement):
-                names.append(name)
-    return names
-
-
-def _refuse_strided_sharded_save(accelerator, models) -> None:
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if plugin is None or "SHARDED" not in str(getattr(plugin, "state_dict_type", "")):
-        return
-    for model in models:
-        names = strided_tp_parameters(model)
-        if names:
-            raise ValueError(
-                f"accel_fp8_fix: save_state cannot write a sharded (DCP) checkpoint of {names[0]}"
-                f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}: tensor parallelism packs it "
-                "(_StridedShard on 'tp'), so each rank holds two row ranges that one DCP chunk cannot describe "
-                "(torch's planner would fail with 'overlapping chunks' after the other ranks started writing). "
-                "Use fsdp_state_dict_type FULL_STATE_DICT for this model, or save without TP."
-            )
 
 
 def _checkpoint_fp8_state(module, prefix=None, keep_vars=None) -> None:
@@ -69,13 +39,12 @@ def keep_fp8_state_in_checkpoints(module) -> None:
 
 
 def save_state(wrapped, instance, args, kwargs):
-    """``Accelerator.save_state``: the pending (row 0) amax is MAX-reduced on the amax group first; a sharded
-    save of a TP-packed parameter is refused up front, naming it (A16)."""
+    """``Accelerator.save_state``: the pending (row 0) amax is MAX-reduced on the amax group first; a TP-packed
+    parameter (and its optimizer state) reaches DCP as one chunk per row range a rank holds (A16)."""
     models = prepared_models(instance)
-    _refuse_strided_sharded_save(instance, models)
     _reduce_pending(instance, models)
-    with tp_checkpoint.sharded_checkpoint(instance):  # TP without FSDP: models / optimizers through DCP (A21)
-        return wrapped(*args, **kwargs)
+    with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance):
+        return wrapped(*args, **kwargs)  # TP without FSDP: models / optimizers through DCP (A21)
 
 
 def get_state_dict(wrapped, instance, args, kwargs):
@@ -119,10 +88,11 @@ def _fp8_state_keys(accelerator, model) -> list[str]:
 
 def load_state(wrapped, instance, args, kwargs):
     """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group). A sharded
-    checkpoint DCP cannot load into the prepared models is refused by name first (A21)."""
+    checkpoint DCP cannot load into the prepared models is refused by name first (A21); TP-packed parameters are
+    read chunk by chunk into their row ranges (A16)."""
     tp_checkpoint.check_sharded_load(instance, args[0] if args else kwargs.get("input_dir"))
-    with tp_checkpoint.sharded_checkpoint(instance):  # TP without FSDP: models / optimizers through DCP (A21)
-        result = wrapped(*args, **kwargs)
+    with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance):
+        result = wrapped(*args, **kwargs)  # TP without FSDP: models / optimizers through DCP (A21)
     setup = _fp8_setup(instance)
     if setup is not None:
         for model in prepared_models(instance):

@@ -120,16 +120,79 @@ class WeightScales:
         self.versions = versions
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.as_subclass(torch.Tensor)
+
+
 @dataclass
-class _ShardState:
+class _PerTensorGather:
+    """One weight under per-tensor scaling (delayed / current recipes): FP8 bits + the whole weight's scale."""
     scales: WeightScales
     index: int
     padded_size: torch.Size
     name: str
 
+    def pre_all_gather(self, local: torch.Tensor, orig_size):
+        scales, i = self.scales, self.index
+        scales.refresh()
+        bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
+        if local.numel():
+            quantizer = te_internals.float8_quantizer(scales.scale[i:i + 1].clone(), scales.params.fp8_dtype)
+            quantized = te_internals.quantized_bits(quantizer(local.detach()))
+            if quantized.shape == bits.shape:
+                bits = quantized
+            else:
+                bits[: quantized.shape[0]].copy_(quantized)
+        return (bits,), (scales.scale_inv[i:i + 1].clone(), tuple(orig_size))
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.as_subclass(torch.Tensor)
+    def post_all_gather(self, outputs, metadata, param_dtype, out):
+        (gathered,) = outputs
+        scale_inv, orig_size = metadata
+        data = gathered[: orig_size[0]]  # uneven sharding: FSDP2 pads each shard's rows
+        if out is not None:
+            te_internals.refill_float8(torch_fsdp2.local_of_unsharded(out), data, scale_inv)
+            return None
+        # Row-wise bytes only. On Hopper dgrad needs the transposed bytes: TE derives them from these in backward
+        # (``update_usage(columnwise_usage=True)``) and, for a module under FSDP2, drops them right after the dgrad
+        # GEMM (``clear_columnwise_cache``), so they never outlive one module's backward.
+        fp8_dtype = self.scales.params.fp8_dtype
+        quantizer = te_internals.float8_quantizer(torch.reciprocal(scale_inv), fp8_dtype)
+        return te_internals.make_float8(data, scale_inv, fp8_dtype, param_dtype, quantizer), (gathered,)
+
+
+BLOCK = 128  # Float8BlockScaling's weight tile: 128 x 128
+
+
+@dataclass
+class _BlockGather:
+    """One weight under Float8BlockScaling (128x128 tiles, one scale each): every tile lies inside one FSDP2 shard
+    (checked at install), so quantizing each shard tile by tile IS quantizing the whole weight — no amax exchange
+    at all. FSDP2 gathers the row-wise bytes and the shards' scale grids; the grids stack along rows like the data."""
+    quantizer: object
+    padded_size: torch.Size
+    scale_shape: tuple  # of one padded shard: [padded rows / 128, roundup(ceil(cols / 128), 4)]
+    name: str
+
+    def pre_all_gather(self, local: torch.Tensor, orig_size):
+        bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
+        scale_inv = torch.zeros(self.scale_shape, dtype=torch.float32, device=local.device)
+        if local.numel():
+            data, sinv = te_internals.block_rowwise(self.quantizer(local.detach()))
+            bits[: data.shape[0]].copy_(data)
+            scale_inv[: sinv.shape[0]].copy_(sinv)
+        return (bits, scale_inv), (tuple(orig_size),)
+
+    def post_all_gather(self, outputs, metadata, param_dtype, out):
+        gathered, gathered_scale_inv = outputs
+        (orig_size,) = metadata
+        rows = orig_size[0]
+        data, scale_inv = gathered[:rows], gathered_scale_inv[: -(-rows // BLOCK)]  # drop the shards' padding
+        if out is not None:
+            te_internals.refill_float8_blockwise(torch_fsdp2.local_of_unsharded(out), data, scale_inv)
+            return None
+        quantizer = self.quantizer.copy()
+        return te_internals.make_float8_blockwise(data, scale_inv, param_dtype, quantizer), (gathered,
+                                                                                          gathered_scale_inv)
 
 
 class Fp8AllGatherShard(torch.Tensor):
@@ -142,38 +205,13 @@ class Fp8AllGatherShard(torch.Tensor):
         return torch.Tensor.__reduce_ex__(_plain(self), protocol)
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        state: _ShardState = self._accel_fp8_fix_all_gather
-        scales = state.scales
-        scales.refresh()
-        i = state.index
-        bits = torch.zeros(state.padded_size, dtype=torch.uint8, device=self.device)
-        if self.numel():
-            quantizer = te_internals.float8_quantizer(scales.scale[i:i + 1].clone(), scales.params.fp8_dtype)
-            quantized = te_internals.quantized_bits(quantizer(_plain(self).detach()))
-            if quantized.shape == bits.shape:
-                bits = quantized
-            else:
-                bits[: quantized.shape[0]].copy_(quantized)
-        return (bits,), (scales.scale_inv[i:i + 1].clone(), tuple(orig_size))
+        return self._accel_fp8_fix_all_gather.pre_all_gather(_plain(self), orig_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        state: _ShardState = self._accel_fp8_fix_all_gather
-        (gathered,) = all_gather_outputs
-        scale_inv, orig_size = metadata
-        data = gathered[: orig_size[0]]  # uneven sharding: FSDP2 pads each shard's rows
-        fp8_dtype = state.scales.params.fp8_dtype
-        if out is not None:
-            te_internals.refill_float8(torch_fsdp2.local_of_unsharded(out), data, scale_inv)
-            return None
-        # Row-wise bytes only. On Hopper dgrad needs the transposed bytes: TE derives them from these in backward
-        # (``update_usage(columnwise_usage=True)``) and, for a module under FSDP2, drops them right after the dgrad
-        # GEMM (``clear_columnwise_cache``), so they never outlive one module's backward.
-        quantizer = te_internals.float8_quantizer(torch.reciprocal(scale_inv), fp8_dtype)
-        tensor = te_internals.make_float8(data, scale_inv, fp8_dtype, param_dtype, quantizer)
-        return tensor, (gathered,)
+        return self._accel_fp8_fix_all_gather.post_all_gather(all_gather_outputs, metadata, param_dtype, out)
 
 
-def _alias(local: torch.Tensor, state: _ShardState) -> "Fp8AllGatherShard":
+def _alias(local: torch.Tensor, state) -> "Fp8AllGatherShard":
     shard = local.as_subclass(Fp8AllGatherShard)
     shard._accel_fp8_fix_all_gather = state
     return shard
@@ -181,28 +219,68 @@ def _alias(local: torch.Tensor, state: _ShardState) -> "Fp8AllGatherShard":
 
 @dataclass
 class Fp8AllGatherSetup:
-    scales: WeightScales
+    kind: str  # "per_tensor" (delayed / current recipes) or "block" (Float8BlockScaling)
+    scales: WeightScales | None  # per_tensor: the packed amax all-reduce; block: None (tile scales are local)
     weights: list = field(default_factory=list)  # qualified names of the weights gathered in FP8
 
+    @property
+    def amax_reductions(self) -> int:
+        """Weight-amax all-reduces so far (block scaling needs none)."""
+        return self.scales.reductions if self.scales is not None else 0
 
-def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
-    """Install the FP8 all-gather on the weight of every converted TE Linear of ``model`` (FSDP2-sharded)."""
+
+def _chosen_weights(model, te_modules) -> list:
+    """(qualified name, FSDPParam) of the weight of every converted TE Linear FSDP2 shards."""
     import transformer_engine.pytorch as te
 
     names = {id(m): n for n, m in model.named_modules()}
     linears = {id(m) for m in te_modules if isinstance(m, te.Linear)}
-    chosen = [p for p in torch_fsdp2.fsdp_params(model)
-              if id(torch_fsdp2.owner_module(p)) in linears and torch_fsdp2.param_name(p) == "weight"]
-    problems = [f"{names.get(id(torch_fsdp2.owner_module(p)), '?')}.weight: {why}" for p in chosen
-                if (why := torch_fsdp2.why_no_extension(p)) is not None]
+    return [(f"{names.get(id(torch_fsdp2.owner_module(p)), '?')}.weight", p) for p in torch_fsdp2.fsdp_params(model)
+            if id(torch_fsdp2.owner_module(p)) in linears and torch_fsdp2.param_name(p) == "weight"]
+
+
+def _block_misaligned(name: str, fsdp_param) -> str | None:
+    """Why this weight's 128x128 tiles would cross an FSDP2 shard boundary (None: they do not)."""
+    world = torch_fsdp2.shard_world_size(fsdp_param)
+    rows = torch_fsdp2.padded_shard_size(fsdp_param)[0]
+    if world == 1 or rows % BLOCK == 0:
+        return None
+    full = torch_fsdp2.sharded_param(fsdp_param).shape[0]
+    return (f"{name}: {full} rows sharded over {world} ranks is {rows} rows a shard, not a multiple of {BLOCK}, so "
+            f"128x128 tiles would cross shard boundaries")
+
+
+def _problems(chosen, kind: str) -> list:
+    problems = [f"{name}: {why}" for name, p in chosen if (why := torch_fsdp2.why_no_extension(p)) is not None]
+    if kind == "block":
+        problems += [why for name, p in chosen if (why := _block_misaligned(name, p)) is not None]
+    return problems
+
+
+def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
+    """Install the FP8 all-gather on the weight of every converted TE Linear of ``model`` (FSDP2-sharded); every
+    weight is checked first, so a refusal leaves no weight half-switched."""
+    from .fp8_all_gather_policy import block_recipe_refusal
+
+    kind = "block" if type(recipe).__name__ == "Float8BlockScaling" else "per_tensor"
+    chosen = _chosen_weights(model, te_modules)
+    why = block_recipe_refusal(recipe) if kind == "block" else None
+    problems = [why] if why else _problems(chosen, kind)
     if problems:
-        raise Fp8AllGatherError("accel_fp8_fix: the FP8 all-gather cannot run on " + "; ".join(problems))
-    setup = Fp8AllGatherSetup(WeightScales(group, scale_params(recipe)))
-    for fsdp_param in chosen:
-        name = f"{names.get(id(torch_fsdp2.owner_module(fsdp_param)), '?')}.weight"
-        state = _ShardState(setup.scales, setup.scales.add(fsdp_param), torch_fsdp2.padded_shard_size(fsdp_param), name)
+        raise Fp8AllGatherError("accel_fp8_fix: the FP8 all-gather cannot run on " + "; ".join(problems) + (
+            ". Shard over fewer ranks, or remove the setting (ACCELERATE_FP8_ALL_GATHER / fp8_config all_gather)"
+            if kind == "block" else ""))
+    setup = Fp8AllGatherSetup(kind, WeightScales(group, scale_params(recipe)) if kind == "per_tensor" else None)
+    for name, fsdp_param in chosen:
+        padded = torch_fsdp2.padded_shard_size(fsdp_param)
+        if kind == "block":
+            quantizer = te_internals.float8_block_weight_quantizer(recipe)
+            state = _BlockGather(quantizer, padded, te_internals.block_scale_shape(quantizer, *padded), name)
+        else:
+            state = _PerTensorGather(setup.scales, setup.scales.add(fsdp_param), padded, name)
         torch_fsdp2.install_extension(fsdp_param, functools.partial(_alias, state=state))
         setup.weights.append(name)
-    say(logger, logging.INFO, f"accel_fp8_fix: FP8 all-gather on {len(setup.weights)} weight(s); scales from one "
-        f"packed amax all-reduce per weight update")
+    how = ("128x128 tile scales computed on each shard, no amax exchange" if kind == "block"
+           else "scales from one packed amax all-reduce per weight update")
+    say(logger, logging.INFO, f"accel_fp8_fix: FP8 all-gather on {len(setup.weights)} weight(s); {how}")
     return setup

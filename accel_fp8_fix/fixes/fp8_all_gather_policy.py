@@ -9,17 +9,24 @@ CHOICES = {
     "high_precision": "FSDP2 all-gathers weights in its mixed-precision policy's param_dtype (stock)",
     "fp8": "FSDP2 all-gathers the converted TE Linear weights as FP8 (+ one scale each), quantized on the shard",
 }
-SERVED_RECIPES = ("DelayedScaling", "Float8CurrentScaling")
+SERVED_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 REFUSED_RECIPES = {
     "MXFP8BlockScaling": "its 1x32 block scales are per row on the row-wise data and per column on the "
                          "column-wise data, so the transposed copy for dgrad cannot be derived from gathered "
                          "row-wise bytes; TE's MXFP8Tensor FSDP2 hooks exist only for quantized_model_init",
     "NVFP4BlockScaling": "FP4 data with 1x16 block scales and a second-level per-tensor scale, plus random "
                          "Hadamard transforms on the column-wise path; TE's hooks exist only for quantized_model_init",
-    "Float8BlockScaling": "its 128x128 weight tiles would have to line up with every FSDP2 shard boundary "
-                          "(each rank's rows a multiple of 128) and the gathered scale grid be re-assembled; "
-                          "not implemented",
 }
+
+
+def block_recipe_refusal(recipe) -> str | None:
+    """Float8BlockScaling with 1x128 weight blocks (``w_block_scaling_dim=1``): the row-wise and column-wise copies
+    have different scales, so the column-wise one cannot be derived from gathered row-wise bytes."""
+    dim = getattr(recipe, "w_block_scaling_dim", 2)
+    if dim != 2:
+        return (f"the Float8BlockScaling recipe with w_block_scaling_dim={dim}: only 128x128 weight tiles "
+                "(w_block_scaling_dim=2, the default) let TE derive the transposed copy from the gathered bytes")
+    return None
 
 
 class Fp8AllGatherError(ValueError):
@@ -53,7 +60,7 @@ def refusal(recipe=None, *, is_fsdp2: bool, cpu_offload: bool = False, versions=
     if versions is not None:
         from ..internals import torch_fsdp2, transformer_engine
 
-        missing = transformer_engine.fp8_all_gather_missing(versions)
+        missing = transformer_engine.fp8_all_gather_missing(versions, name)
         if missing:
             return "the installed Transformer Engine lacks what it needs: " + "; ".join(missing)
         missing = torch_fsdp2.fp8_all_gather_missing(versions)
@@ -89,6 +96,10 @@ def check_request(accelerator) -> bool:
     versions = {name: installed_version(name) for name in ("transformer-engine", "torch")}
     why = refusal(_recipe_class_name(handler), is_fsdp2=bool(accelerator.is_fsdp2), versions=versions,
                   cpu_offload=_offloaded(plugin))
+    if why is None and _recipe_class_name(handler) == "Float8BlockScaling":
+        from .fp8_autocast import build_recipe
+
+        why = block_recipe_refusal(build_recipe(handler)[0])
     if why is not None:
         raise Fp8AllGatherError(f"accel_fp8_fix: {setting}=fp8 (FP8 all-gather) cannot run: {why}. Remove the "
                                 "setting (or set it to high_precision); nothing was changed")

@@ -20,7 +20,7 @@ from ..distributed.collectives import group_of
 from ..distributed.dtensor import is_dtensor
 from ..engine.engine import calling_patch_set
 from ..internals.accelerate_internals import recipe_handler
-from ..internals.transformer_engine import GEMMS_PER_MODULE
+from ..internals.transformer_engine import gemms_per_forward
 from .activation_checkpointing import route_checkpointing_through_te
 from .checkpoint import keep_fp8_state_in_checkpoints
 from . import fp8_all_gather
@@ -151,7 +151,7 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     # FP8 state now, on the module's device (as the first FP8 forward would create it), then registered.
     with torch.no_grad(), te_autocast(te)(True, recipe, group):
         for module in conversion.te_modules:
-            module.init_fp8_metadata(num_gemms=GEMMS_PER_MODULE.get(type(module).__name__, 1))
+            module.init_fp8_metadata(num_gemms=gemms_per_forward(module))
     if fp8_all_gather.check_request(accelerator):
         setup.all_gather = fp8_all_gather.install(model, conversion.te_modules, recipe, group)
     setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=("fp8_meta",))
@@ -169,6 +169,7 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     setup.fp8_enabled = True
     say(logger, logging.INFO,
         f"accel_fp8_fix: {len(conversion.converted)} module(s) converted to Transformer Engine after sharding, "
-        f"{len(conversion.skipped)} kept; amax group {list(ranks)}")
+        f"{len(conversion.experts)} MoE experts module(s) on TE grouped GEMMs, {len(conversion.skipped)} kept; "
+        f"amax group {list(ranks)}")
     return setup
 

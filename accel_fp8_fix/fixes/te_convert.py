@@ -23,6 +23,7 @@ from ..distributed.dtensor import is_dtensor
 from ..internals import torch_fsdp2, torch_internals, transformers_tp
 from .fp8_shapes import FP8_LAST_MULTIPLE, install_token_check, local_dims, local_dims_fit
 from .local_shards import install_local_shards
+from .moe_experts import convert_experts
 from .presharded import FSDP_DIM_NAMES
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class ConversionReport:
     converted: list = field(default_factory=list)  # qualified names
     skipped: list = field(default_factory=list)  # (qualified name, reason)
     te_modules: list = field(default_factory=list)  # every TE module with FP8 state, converted or not
+    experts: list = field(default_factory=list)  # packed MoE experts running TE grouped GEMMs (fixes/moe_experts.py)
 
 
 def _fsdp_placement(placement) -> bool:
@@ -199,8 +201,9 @@ def _new_layernorm(te, norm: nn.LayerNorm, name: str):
 
 
 def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = True, exclude=(),
-                           dim_multiple: int = FP8_LAST_MULTIPLE) -> ConversionReport:
+                           dim_multiple: int = FP8_LAST_MULTIPLE, moe_experts: bool = True) -> ConversionReport:
     """Swap supported modules for TE ones in place, keeping every Parameter object; return what happened.
+    ``moe_experts``: packed MoE experts run their GEMMs as TE grouped GEMMs on their own 3-D parameters too.
 
     ``exclude``: qualified module names to keep as they are (e.g. ``("lm_head",)``).
     """
@@ -259,6 +262,9 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
                 install_local_shards(new, names, tp_mesh)
             setattr(parent, child_name, new)
             report.converted.append(name)
+    if moe_experts:
+        report.experts, kept = convert_experts(model, te, dim_multiple, exclude=exclude)
+        report.skipped += kept
     if report.skipped:
         detail = "; ".join(f"{n}: {why}" for n, why in report.skipped)
         say(logger, logging.WARNING,

@@ -13,8 +13,8 @@ and in ``save_model``, FP8 or not. Here:
 * ``save_model`` writes full tensors (each DTensor gathered on its mesh) without the FP8 state: the export
   plain transformers loads.
 * before a sharded load (this path or accelerate's FSDP2 one), the checkpoint's metadata is compared with the
-  model: a missing entry, a global shape that differs, or a TP-packed parameter (``_StridedShard``, A16) is
-  refused by name before any tensor is read.
+  model: a missing entry or a global shape that differs is refused by name before any tensor is read. TP-packed
+  parameters (``_StridedShard``, A16) go through DCP as one chunk per row range (``packed_checkpoint``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import inspect
 import os
 
 from ..distributed.dtensor import is_dtensor
-from ..internals.accelerate_internals import prepared_models
+from ..internals.accelerate_internals import prepared_models, prepared_optimizers
 
 MODEL_NAME = "pytorch_model_fsdp"  # accelerate's FSDP_MODEL_NAME: the FSDP2 sharded path's directory names
 OPTIMIZER_NAME = "optimizer"  # accelerate's OPTIMIZER_NAME
@@ -92,8 +92,7 @@ def _dirs(root: str, i: int) -> tuple[str, str]:
 
 def _pairs(accelerator):
     """[(model, optimizer or None)] as accelerate pairs them (optimizer i with model i)."""
-    models = list(getattr(accelerator, "_models", []))
-    optimizers = list(getattr(accelerator, "_optimizers", []))
+    models, optimizers = prepared_models(accelerator), prepared_optimizers(accelerator)
     return [(m, optimizers[i] if i < len(optimizers) else None) for i, m in enumerate(models)]
 
 
@@ -102,8 +101,6 @@ def save_sharded(accelerator, output_dir: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     pairs = _pairs(accelerator)
-    for model, _ in pairs:
-        _refuse_strided(model, "save_state cannot write a sharded (DCP) checkpoint of")
     for i, (model, optimizer) in enumerate(pairs):
         model_dir, optim_dir = _dirs(output_dir, i)
         os.makedirs(model_dir, exist_ok=True)
@@ -131,17 +128,6 @@ def load_sharded(accelerator, input_dir: str) -> None:
             ostate = {"optimizer": get_optimizer_state_dict(model, inner)}
             dcp.load(ostate, storage_reader=dcp.FileSystemReader(optim_dir))
             set_optimizer_state_dict(model, inner, ostate["optimizer"])
-
-
-def _refuse_strided(model, what: str) -> None:
-    from .checkpoint import strided_tp_parameters
-
-    names = strided_tp_parameters(model)
-    if names:
-        raise ValueError(
-            f"accel_fp8_fix: {what} {names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}: tensor "
-            "parallelism packs it (_StridedShard on 'tp'), so each rank holds two row ranges that one DCP chunk cannot "
-            "describe (A16). Save it with accelerator.save_model (full tensors), or train this model without TP.")
 
 
 def _flat_tensors(prefix: str, value, out: dict) -> dict:
@@ -177,7 +163,6 @@ def refuse_unreshardable(accelerator, input_dir: str, pairs=None) -> None:
     pairs = _pairs(accelerator) if pairs is None else pairs
     problems = []
     for i, (model, optimizer) in enumerate(pairs):
-        _refuse_strided(model, "load_state cannot load a sharded (DCP) checkpoint into")
         model_dir, optim_dir = _dirs(input_dir, i)
         if not os.path.isdir(model_dir):
             found = sorted(os.listdir(input_dir)) if os.path.isdir(input_dir) else []

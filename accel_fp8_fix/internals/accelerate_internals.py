@@ -1,7 +1,8 @@
 """accelerate internals: the prepared models, one-object preparation, the FP8 recipe kwargs, and its
 Transformer Engine forward wrapper.
 
-- ``Accelerator._models`` (every model ``prepare`` returned) and ``Accelerator._prepare_one`` (the
+- ``Accelerator._models`` / ``_optimizers`` (every model / optimizer ``prepare`` returned) and
+  ``Accelerator._prepare_one`` (the
   per-object step of ``prepare``, used by the re-implemented ``_prepare_tp``);
 - ``te_recipe_handler`` / ``fp8_recipe_handler`` (the ``TERecipeKwargs`` accelerate resolved);
 - ``apply_fp8_autowrap`` wraps ``model.forward`` in ``contextual_fp8_autocast`` (TE autocast with no amax
@@ -15,6 +16,7 @@ WRAPPER_NAME = "contextual_fp8_autocast"
 # (module file under accelerate/, text that must be in it): read, not imported
 _SOURCES = (
     ("accelerator.py", "self._models = []"),
+    ("accelerator.py", "self._optimizers = []"),
     ("accelerator.py", "def _prepare_one(self, obj, first_pass=False"),
     ("accelerator.py", "self.te_recipe_handler = "),
     ("accelerator.py", "self.fp8_recipe_handler = "),
@@ -29,7 +31,12 @@ def check(versions) -> list[str]:
 
 
 def prepared_models(accelerator) -> list:
-    return list(accelerator._models)
+    return list(getattr(accelerator, "_models", []))
+
+
+def prepared_optimizers(accelerator) -> list:
+    """accelerate's wrappers (``AcceleratedOptimizer``) of the optimizers ``prepare`` returned, in order."""
+    return list(getattr(accelerator, "_optimizers", []))
 
 
 def prepare_one(accelerator, obj, first_pass: bool = False):

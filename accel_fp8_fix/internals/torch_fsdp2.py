@@ -30,6 +30,7 @@ FP8_ALL_GATHER_SOURCES = (
     ("_fsdp_param.py", "def reset_sharded_param("),
     ("_fsdp_param.py", "self.padded_sharded_param_size"),
     ("_fsdp_param_group.py", "fsdp_param.reset_sharded_param()"),
+    ("_fsdp_common.py", "self.shard_mesh_size"),
 )
 
 
@@ -85,6 +86,11 @@ def owner_module(fsdp_param):
 
 def padded_shard_size(fsdp_param):
     return fsdp_param.padded_sharded_param_size
+
+
+def shard_world_size(fsdp_param) -> int:
+    """How many ranks FSDP2 shards this parameter over (its mesh's shard dimension)."""
+    return fsdp_param.mesh_info.shard_mesh_size
 
 
 def sharded_param(fsdp_param):

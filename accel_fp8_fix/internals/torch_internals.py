@@ -2,7 +2,11 @@
 APIs' per-module ``_State``, ``CheckpointWrapper``'s private module, c10d's default store, and the tensor
 globals a torch pickle names.
 
-- ``torch.distributed.tensor.placement_types._StridedShard``: recognised by class name (never imported);
+- ``torch.distributed.tensor.placement_types._StridedShard``: recognised by class name (never imported), and
+  re-created on another tensor dim (``type(p)(dim, split_factor=...)``) to find the global rows a rank holds;
+- DTensor's checkpoint protocol: ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` /
+  ``__get_tensor_shard__`` defer to its local tensor's when it has them (torch's ``LocalShardsWrapper`` path),
+  which lets one rank describe its local tensor to DCP as several chunks (A16);
 - ``torch.distributed._composable_state._State``: FSDP2's / replicate's per-module state (TE caches it on
   its modules as ``_te_cached_parent_fsdp_state``), never walked as a module's own state;
 - ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper`` (accelerate's FSDP2
@@ -20,6 +24,9 @@ _CHECKPOINT_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoin
 # (file under torch/, text that must be in it): read, not imported.
 _SOURCES = (
     ("distributed/tensor/placement_types.py", f"class {STRIDED_SHARD}("),
+    ("distributed/tensor/_api.py", 'hasattr(self._local_tensor, "__create_write_items__")'),
+    ("distributed/tensor/_api.py", 'hasattr(self._local_tensor, "__create_chunk_list__")'),
+    ("distributed/tensor/_api.py", 'hasattr(self._local_tensor, "__get_tensor_shard__")'),
     ("distributed/_composable_state.py", "class _State"),
     ("distributed/algorithms/_checkpoint/checkpoint_wrapper.py", "class CheckpointWrapper("),
     ("distributed/algorithms/_checkpoint/checkpoint_wrapper.py", "self.checkpoint_fn"),
@@ -38,6 +45,45 @@ def check(versions) -> list[str]:
 def is_strided_shard(placement) -> bool:
     """``placement`` is DTensor's ``_StridedShard`` (a shard of a shard: FSDP2 over TP, or TP's packed layout)."""
     return type(placement).__name__ == STRIDED_SHARD
+
+
+def sharded_dim(placement) -> int | None:
+    """The tensor dim ``placement`` shards (``Shard`` or ``_StridedShard``, which is no ``Shard`` and whose
+    ``is_shard()`` is False in torch 2.13); None for ``Replicate`` / ``Partial``."""
+    if placement.is_shard() or is_strided_shard(placement):
+        return placement.dim
+    return None
+
+
+def placement_on_dim(placement, dim: int):
+    """``placement`` (``Shard`` or ``_StridedShard``, split factor kept) acting on tensor dim ``dim`` instead."""
+    from torch.distributed.tensor import Shard
+
+    if is_strided_shard(placement):
+        return type(placement)(dim, split_factor=int(placement.split_factor))
+    return Shard(dim)
+
+
+def with_local_chunks(dtensor, chunks, write_items, shard):
+    """A DTensor equal to ``dtensor`` (a new object on the same local storage, mesh, placements, shape) that torch
+    DCP sees as the chunks its local tensor answers: DTensor defers ``__create_chunk_list__`` (``chunks()``),
+    ``__create_write_items__`` (``write_items(fqn, obj)``) and ``__get_tensor_shard__`` (``shard(index)``) to its
+    local tensor when it has them — the hooks torch's ``LocalShardsWrapper`` provides. The callables are given
+    the new local tensor (a weak reference: no cycle keeps it alive)."""
+    import weakref
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        alias = DTensor.from_local(dtensor.to_local(), dtensor.device_mesh, dtensor.placements, run_check=False,
+                                   shape=dtensor.shape, stride=dtensor.stride())
+        local = alias.to_local()  # no grad: the very local tensor of ``alias``
+    ref = weakref.ref(local)
+    local.__create_chunk_list__ = lambda: chunks()
+    local.__create_write_items__ = lambda fqn, obj: write_items(fqn, obj)
+    local.__get_tensor_shard__ = lambda index: shard(ref(), index)
+    return alias
 
 
 def is_composable_state(obj) -> bool:

@@ -15,7 +15,11 @@ module).
   temporary swap of ``module/base.py``'s ``should_load_extra_state_pickle`` / ``pickle`` globals that lets TE's
   own ``set_extra_state`` apply an already decoded payload — :func:`pickle_advisory`, :func:`ignores_extra_state`,
   :func:`has_pickle_guard`, :func:`loading_decoded`;
-- ``GEMMS_PER_MODULE``: TE's ``num_gemms`` per forward of a module class (``init_fp8_metadata``).
+- ``GEMMS_PER_MODULE``: TE's ``num_gemms`` per forward of a module class (``init_fp8_metadata``);
+  :func:`gemms_per_forward` (a ``GroupedLinear``'s own ``num_gemms``);
+- ``GroupedLinear``'s per-GEMM weights ``weight0`` .. ``weight{n-1}`` (read with ``getattr`` by
+  ``_get_weight_tensors``): :func:`grouped_linear_without_weights` builds one that owns none,
+  :func:`grouped_linear_on_views` runs it on tensors it does not own (MoE experts, fixes/moe_experts.py).
 
 Nothing here imports TE at import time; each fork is resolved on first use and kept. :func:`check` reads TE's
 source (importing TE loads its CUDA libraries) when the patch set is applied: a name that is gone refuses
@@ -52,6 +56,53 @@ _GUARD_SOURCES = (
     ("pytorch/module/base.py", "should_load_extra_state_pickle"),
     ("pytorch/module/base.py", "import pickle"),
 )
+
+
+def gemms_per_forward(module) -> int:
+    """TE's ``num_gemms`` for ``init_fp8_metadata`` of ``module``: a GroupedLinear's own count, else per class."""
+    if type(module).__name__ == "GroupedLinear":
+        return int(module.num_gemms)
+    return GEMMS_PER_MODULE.get(type(module).__name__, 1)
+
+
+# GroupedLinear reads its per-GEMM weights by name, one attribute per GEMM (discrete parameters, TE 2.x)
+GROUPED_WEIGHT_SOURCES = (
+    ("pytorch/module/grouped_linear.py", 'getattr(self, f"weight{i}") for i in range(self.num_gemms)'),
+    ("pytorch/module/grouped_linear.py", "use_grouped_tensor: Optional[bool] = None"),
+)
+
+
+def grouped_views_missing() -> list[str]:
+    """What running a GroupedLinear on weights it does not own needs of the installed TE and is not there."""
+    from . import missing_from_sources, package_root
+
+    root = package_root("transformer_engine")
+    if root is None:
+        return ["transformer_engine not found"]
+    return missing_from_sources(root, GROUPED_WEIGHT_SOURCES, "transformer-engine")
+
+
+def grouped_linear_without_weights(te, num_gemms: int, in_features: int, out_features: int, dtype):
+    """A ``te.GroupedLinear`` (no bias, discrete per-GEMM weights, the split-quantize path) built on ``meta`` whose
+    ``weight{i}`` parameters are removed: it owns no parameter, only its FP8 state (``fp8_meta``, ``_extra_state``).
+    """
+    module = te.GroupedLinear(num_gemms, in_features, out_features, bias=False, params_dtype=dtype, device="meta",
+                              use_grouped_tensor=False)
+    for i in range(num_gemms):
+        module._parameters.pop(f"weight{i}", None)
+    return module
+
+
+def grouped_linear_on_views(module, weights, inp, m_splits):
+    """``module(inp, m_splits)`` with ``weights[i]`` (``[out, in]`` tensors, e.g. views of a 3-D expert parameter)
+    as its ``weight{i}`` for this call only; autograd carries each weight's gradient back to the tensor it views."""
+    for i, weight in enumerate(weights):
+        module._parameters[f"weight{i}"] = weight
+    try:
+        return module(inp, m_splits)
+    finally:
+        for i in range(len(weights)):
+            module._parameters.pop(f"weight{i}", None)
 
 
 def te_version(versions: Mapping[str, str | None]) -> str | None:
@@ -203,16 +254,25 @@ FP8_ALL_GATHER_SOURCES = (
     ("pytorch/tensor/utils.py", "def clear_columnwise_cache("),  # TE drops the dgrad transpose under FSDP2
     ("pytorch/module/linear.py", "isinstance(weight, QuantizedTensor)"),
 )
+# ... and under Float8BlockScaling (2-D weight tiles, gathered row-wise; TE derives the column-wise copy)
+FP8_ALL_GATHER_BLOCK_SOURCES = (
+    ("pytorch/tensor/float8_blockwise_tensor.py", "class Float8BlockQuantizer"),
+    ("pytorch/tensor/float8_blockwise_tensor.py", "def get_scale_shape("),
+    ("pytorch/tensor/storage/float8_blockwise_tensor_storage.py", "def _create_columnwise("),
+    ("pytorch/tensor/storage/float8_blockwise_tensor_storage.py", "self._rowwise_scale_inv"),
+)
 
 
-def fp8_all_gather_missing(versions: Mapping[str, str | None]) -> list[str]:
-    """What the FP8 all-gather needs of the installed TE and is not there (empty: all there)."""
+def fp8_all_gather_missing(versions: Mapping[str, str | None], recipe_name: str | None = None) -> list[str]:
+    """What the FP8 all-gather needs of the installed TE (under ``recipe_name``) and is not there (empty: all
+    there)."""
     from . import missing_from_sources, package_root
 
     root = package_root("transformer_engine")
     if root is None:
         return ["transformer_engine not found"]
-    return missing_from_sources(root, FP8_ALL_GATHER_SOURCES, f"transformer-engine {te_version(versions)}")
+    sources = FP8_ALL_GATHER_SOURCES + (FP8_ALL_GATHER_BLOCK_SOURCES if recipe_name == "Float8BlockScaling" else ())
+    return missing_from_sources(root, sources, f"transformer-engine {te_version(versions)}")
 
 
 def fp8_max(fp8_dtype) -> float:
@@ -264,3 +324,45 @@ def refill_float8(tensor, data, scale_inv) -> None:
     tensor._scale_inv.copy_(scale_inv.reshape(tensor._scale_inv.shape))
     tensor._transpose = None
     tensor._transpose_invalid = True
+
+
+def float8_block_weight_quantizer(recipe):
+    """TE's ``Float8BlockQuantizer`` for a weight under ``Float8BlockScaling`` — the recipe's weight settings
+    (``w_block_scaling_dim``, ``fp8_quant_fwd_weight``: power-of-2 scales, epsilon), as TE's
+    ``Float8BlockScalingRecipeState`` builds it — row-wise usage only (column-wise derived by TE when needed)."""
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    qparams = recipe.fp8_quant_fwd_weight
+    return Float8BlockQuantizer(fp8_dtype=fp8_weight_dtype(recipe), rowwise=True, columnwise=False,
+                                amax_epsilon=qparams.amax_epsilon, force_pow_2_scales=qparams.power_2_scale,
+                                block_scaling_dim=recipe.w_block_scaling_dim)
+
+
+def block_scale_shape(quantizer, rows: int, cols: int) -> tuple:
+    """The row-wise ``scale_inv`` shape TE gives a ``[rows, cols]`` block-scaled tensor (128x128 tiles:
+    ``[ceil(rows/128), roundup(ceil(cols/128), 4)]``)."""
+    return tuple(quantizer.get_scale_shape((rows, cols), False))
+
+
+def block_rowwise(tensor):
+    """(uint8 row-wise data, fp32 row-wise scale_inv) of a TE ``Float8BlockwiseQTensor``."""
+    return tensor._rowwise_data, tensor._rowwise_scale_inv
+
+
+def make_float8_blockwise(data, scale_inv, dtype, quantizer):
+    """A 2-D-scaled TE ``Float8BlockwiseQTensor`` (nominal ``dtype``) on row-wise ``data`` and ``scale_inv`` — what
+    TE's own ``fsdp_post_all_gather`` builds (column-wise data derived by TE's ``update_usage`` when backward asks)."""
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+
+    return Float8BlockwiseQTensor(shape=data.shape, dtype=dtype, fp8_dtype=quantizer.dtype, rowwise_data=data,
+                                  rowwise_scale_inv=scale_inv, columnwise_data=None, columnwise_scale_inv=None,
+                                  quantizer=quantizer, is_2D_scaled=True, device=data.device)
+
+
+def refill_float8_blockwise(tensor, data, scale_inv) -> None:
+    """Point an existing Float8BlockwiseQTensor at newly gathered row-wise ``data`` / ``scale_inv``; a column-wise
+    copy left from an earlier backward is dropped (stale)."""
+    tensor._rowwise_data = data
+    tensor._rowwise_scale_inv = scale_inv
+    tensor._columnwise_data = None
+    tensor._columnwise_scale_inv = None

@@ -10,6 +10,7 @@ precision, and the conversion report names it).
 from __future__ import annotations
 
 KNOWN_STYLES = ("ColwiseParallel", "RowwiseParallel")
+EXPERTS_STYLE = "MoeExpertsParallel"  # ``moe_tp_experts``: each rank runs its shard of every expert, outputs summed
 _STYLE_ATTRS = ("input_layouts", "output_layouts", "use_local_output")
 
 
@@ -82,3 +83,15 @@ def grad_allreduce_original_forward(module):
             "`original_forward`; this package cannot take over its gradient all-reduce"
         )
     return cells["original_forward"].cell_contents
+
+
+def replace_original_forward(module, forward) -> bool:
+    """Make ``forward`` what the TP forward transformers installed on ``module`` calls inside its input / output
+    transforms (its closure's ``original_forward``); True when done, False when ``module`` has no TP forward."""
+    installed = module.__dict__.get("forward")
+    code = getattr(installed, "__code__", None)
+    if code is None or "original_forward" not in code.co_freevars or tp_style(module) is None:
+        return False
+    cells = dict(zip(code.co_freevars, installed.__closure__ or ()))
+    cells["original_forward"].cell_contents = forward
+    return True

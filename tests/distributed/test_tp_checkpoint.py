@@ -4,8 +4,8 @@
   parameters (FP8 or bf16); patched, ``save_state`` writes a sharded DCP checkpoint that ``load_state`` restores bit
   for bit (weights, AdamW state, FP8 state) and the resumed run's losses equal the uninterrupted run's;
   ``save_model`` writes what plain transformers loads (no missing / unexpected key, no ``_extra_state``), equal
-  to the trained weights — for Llama, Qwen3, Phi3, Gemma3 and Qwen3-MoE (whose TP-packed experts refuse a
-  sharded save by name, A16);
+  to the trained weights — for Llama, Qwen3, Phi3, Gemma3 and Qwen3-MoE (its TP-packed experts written one DCP
+  chunk per row range, A16: test_tp_packed_checkpoint.py);
 * resume across layouts on 4 ranks: FSDP2 x TP -> FSDP2 / TP 4, TP 4 -> FSDP2 x TP / FSDP2, FSDP2 -> TP 4, and the
   2-rank TP 2 checkpoint on TP 4 (another TP degree and process count): bit for bit, then the losses of the
   uninterrupted run within FP8 resolution;
@@ -135,11 +135,6 @@ def test_every_family_saves_and_exports_under_tp(two, family):
     saved, resumed = _f(two, "sc_ckpt_save", kw), _f(two, "sc_ckpt_resume", kw)
     for s, r in zip(saved, resumed):
         assert s["export_error"] is None, s["export_error"]
-        if family == "qwen3_moe":  # fused experts TP-packed (_StridedShard): a sharded save cannot describe them
-            assert s["save_error"].startswith("ValueError: accel_fp8_fix: save_state cannot write a sharded (DCP) "
-                                              "checkpoint of model.layers.0.mlp.experts.gate_up_proj"), s["save_error"]
-            assert "A16" in s["save_error"] and "save_model" in s["save_error"]
-            continue
         assert s["save_error"] is None, s["save_error"]
         assert r["load_error"] is None, r["load_error"]
         assert r["params_mismatch"] == [] and r["optim_mismatch"] == [] and r["fp8_mismatch"] == []

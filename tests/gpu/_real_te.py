@@ -81,24 +81,26 @@ def single_rank_process_group():
 
 
 class GemmSpy:
-    """Counts TE's GEMMs (``transformer_engine_torch.generic_gemm``, what every TE Linear GEMM calls) and those
-    whose two operands are TE quantized (FP8) tensors, while active."""
+    """Counts TE's GEMMs (``transformer_engine_torch.generic_gemm``, what every TE Linear GEMM calls; with
+    ``name="te_general_grouped_gemm"`` the grouped GEMMs of ``GroupedLinear``, one per call) and those whose operands
+    are all TE quantized (FP8) tensors, while active."""
 
-    def __init__(self):
+    def __init__(self, name: str = "generic_gemm"):
         import transformer_engine_torch as tex
 
-        self._tex, self._original = tex, tex.generic_gemm
+        self._tex, self._name, self._original = tex, name, getattr(tex, name)
         self.calls = self.fp8 = 0
 
     def __enter__(self):
         def counting(*args, **kwargs):
             self.calls += 1
-            if len(args) > 2 and all(type(o).__module__.startswith("transformer_engine.") for o in (args[0], args[2])):
+            operands = [o for arg in args[0:3:2] for o in (arg if isinstance(arg, (list, tuple)) else [arg])]
+            if len(args) > 2 and all(type(o).__module__.startswith("transformer_engine.") for o in operands):
                 self.fp8 += 1
             return self._original(*args, **kwargs)
 
-        self._tex.generic_gemm = counting
+        setattr(self._tex, self._name, counting)
         return self
 
     def __exit__(self, *exc):
-        self._tex.generic_gemm = self._original
+        setattr(self._tex, self._name, self._original)

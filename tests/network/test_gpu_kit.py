@@ -230,3 +230,24 @@ def test_throughput_benchmark_runs_bf16_and_delayed_fp8_through_the_patched_prep
         assert row["te_modules"] > 0 and row["fp8_gemms_per_step"] > 0, row
         assert row["loss_finite"] and row["tokens_per_s"] > 0
     assert table.read_text().count("\n") == 2 + len(rows)
+
+
+def test_throughput_benchmark_runs_the_moe_model_with_experts_on_te_grouped_gemms(tmp_path):
+    """``--model qwen3_moe`` (the kit's MoE rows): FP8 through the patched prepare, every TE GEMM — the experts'
+    grouped GEMMs counted one a call — on FP8 operands, TFLOP/s on the active parameters."""
+    import importlib.util
+
+    for needed in ("transformer_engine", "transformers", "accel_fp8_fix.rehearsal"):
+        if importlib.util.find_spec(needed) is None:
+            pytest.skip(f"{needed} is not installed (the CPU rehearsal: pip install ./packaging/rehearsal)")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--tiny", "--model",
+                           "qwen3_moe", "--configs", "bf16,fp8-delayed", "--budget", "300"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=350)
+    rows = {r["config"]: r for r in (json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+                                     if line.startswith("BENCH_ROW "))}
+    assert done.returncode == 0 and set(rows) == {"bf16", "fp8-delayed"}, done.stdout[-3000:] + done.stderr[-3000:]
+    fp8 = rows["fp8-delayed"]
+    assert fp8["model"] == "qwen3_moe" and fp8["active_params_b"] < fp8["params_b"] or fp8["params_b"] == 0.0
+    # 2 layers x (4 attention Linears x 3 GEMMs + 2 expert projections x 3 grouped GEMMs) per step
+    assert fp8["te_gemms_per_step"] == fp8["fp8_gemms_per_step"] == 2 * (4 * 3 + 2 * 3), fp8
+    assert fp8["fp8_active"] and fp8["loss_finite"]

@@ -16,14 +16,15 @@ ALL_GATHER_ENV = "ACCELERATE_FP8_ALL_GATHER"
 RECIPES = {
     "delayed": {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"},
     "current": {"recipe": "current", "fp8_format": "HYBRID"},
+    "block": {"recipe": "block", "fp8_format": "HYBRID"},
 }
 
 
-def _batch(dim, out=16, seed=7):
+def _batch(dim, out=16, seed=7, rows=GLOBAL_BATCH):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(GLOBAL_BATCH, dim, generator=g), torch.randn(GLOBAL_BATCH, out, generator=g)
+    return torch.randn(rows, dim, generator=g), torch.randn(rows, out, generator=g)
 
 
 def _te_recipe(kind):
@@ -31,6 +32,8 @@ def _te_recipe(kind):
 
     if kind == "current":
         return te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID)
+    if kind == "block":
+        return te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.HYBRID)
     return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                     reduce_amax=False)
 
@@ -46,10 +49,10 @@ def _reset_te():
     _sibling("fp8_scenarios").reset_te_global_state()
 
 
-def _mse_of(dim):
+def _mse_of(dim, out=16, rows=GLOBAL_BATCH):
     import torch
 
-    x, y = _batch(dim)
+    x, y = _batch(dim, out, rows=rows)
     return lambda model: torch.nn.functional.mse_loss(model(x).float(), y)
 
 
@@ -160,15 +163,15 @@ def _peak_probe(model, te_mods):
     return peak, handles
 
 
-def _model_for(kind_of_model, dim, depth):
+def _model_for(kind_of_model, dim, depth, out=16):
     if kind_of_model == "linear_stack":
-        return lambda: linear_stack(dim=dim, depth=depth)
+        return lambda: linear_stack(dim=dim, depth=depth, out=out)
     return lambda: S.block_stack(dim=dim, hidden=2 * dim, depth=depth, seed=0)
 
 
 def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, model="block_stack", dim=S.DIM,
              depth=2, policy="fp32", reshard=True, dp_replicate=None, dp_shard=None, reference=True, save_dir=None,
-             load_dir=None):
+             load_dir=None, out=16, global_batch=GLOBAL_BATCH):
     """FSDP2 + FP8 with ``ACCELERATE_FP8_ALL_GATHER=all_gather``: losses and clipped grad norms per step (and the
     one-process reference), what c10d saw per step (all-gathered bytes, all-reduces), the packed scale
     reductions, the peak bytes of unsharded weights in forward, and what optimizer / checkpoints see."""
@@ -181,8 +184,10 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     S.ensure_rehearsal(True)
     os.environ[ALL_GATHER_ENV] = all_gather
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[policy]
-    build = _model_for(model, dim, depth)
-    ref = _reference(build, recipe, steps, _mse_of(dim), fp8_weights=all_gather == "fp8") if reference \
+    build = _model_for(model, dim, depth, out)
+    # block scaling: the shards' tiles are the whole weight's tiles, so TE quantizing the whole weight is the reference
+    fp8_weights = all_gather == "fp8" and recipe != "block"
+    ref = _reference(build, recipe, steps, _mse_of(dim, out, global_batch), fp8_weights=fp8_weights) if reference \
         else (None, None)
     acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
                              wrap_cls=["Block"], fp8_recipe=RECIPES[recipe], reshard_after_forward=reshard,
@@ -195,18 +200,19 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     loaded_digest = _digest(acc, net) if load_dir is not None else None
     setup = acc.accel_fp8_fix
     te_mods = {n: m for n, m in net.named_modules() if hasattr(m, "fp8_meta")}
-    x, y = _batch(dim)
-    per = GLOBAL_BATCH // world_size
+    x, y = _batch(dim, out, rows=global_batch)
+    per = global_batch // world_size
     x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     peak, handles = _peak_probe(net, te_mods)
     seen = set()  # the class of the weight each TE Linear's forward received (after FSDP2's unshard)
     handles += [m.register_forward_pre_hook(lambda mod, args: seen.add(type(mod._parameters["weight"]).__name__))
                 for m in te_mods.values() if type(m).__name__ == "Linear"]
+    ag = setup.all_gather
+    block_check = _block_bits_probe(net, te_mods, setup) if ag is not None and ag.kind == "block" else None
     S.te_reset()
     losses, norms, per_step = [], [], []
-    ag = setup.all_gather
     for _ in range(steps):
-        before = ag.scales.reductions if ag is not None else 0
+        before = ag.amax_reductions if ag is not None else 0
         with CollectiveSpy() as spy:
             loss = torch.nn.functional.mse_loss(net(x).float(), y)
             acc.backward(loss)
@@ -222,7 +228,7 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
             "all_gather_dtypes": sorted({str(c.dtype) for c in gathers}),
             "all_reduces": [c.numel for c in spy.calls("all_reduce", top_level=True)],
             "gather_ops": sorted({(c.op, c.layer) for c in gathers}),
-            "weight_amax_reductions": (ag.scales.reductions if ag is not None else 0) - before,
+            "weight_amax_reductions": (ag.amax_reductions if ag is not None else 0) - before,
         })
         value = loss.detach().clone()
         dist.all_reduce(value)
@@ -237,7 +243,9 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
         "losses": losses, "grad_norms": norms, "reference": ref[0], "reference_grad_norms": ref[1],
         "per_step": per_step, "peak_unsharded_bytes_forward": peak["bytes"], "te_linear_weight_types": sorted(seen),
         "gathered_weights": list(ag.weights) if ag is not None else [],
-        "scale_reductions": ag.scales.reductions if ag is not None else 0,
+        "block_bits": block_check.result() if block_check is not None else None,
+        "gathered_scale_bytes": _scale_bytes(net, ag, world_size) if ag is not None else 0,
+        "scale_reductions": ag.amax_reductions if ag is not None else 0,
         "converted": setup.conversion.converted,
         "model_numel": sum(p.numel() for p in net.parameters()),
         "fp8_weight_numel": sum(m.weight.numel() for n, m in te_mods.items()
@@ -266,14 +274,71 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     return facts
 
 
+class _BlockBitsProbe:
+    """At the first forward: the Float8BlockwiseQTensor each TE Linear received (built from the gathered shards)
+    against TE's block quantizer applied to the whole master weight (``full_tensor()``), bit for bit."""
+
+    def __init__(self, expected, handles):
+        self.expected, self.handles, self.seen = expected, handles, {}
+
+    def result(self):
+        for h in self.handles:
+            h.remove()
+        return {"compared": sorted(self.seen), "mismatched": sorted(n for n, ok in self.seen.items() if not ok)}
+
+
+def _block_bits_probe(net, te_mods, setup):
+    import torch
+
+    from accel_fp8_fix.internals import transformer_engine as TI
+
+    expected, handles = {}, []
+    for name, module in te_mods.items():
+        if f"{name}.weight" not in setup.all_gather.weights:
+            continue
+        quantizer = TI.float8_block_weight_quantizer(setup.recipe)
+        expected[name] = TI.block_rowwise(quantizer(module.weight.full_tensor().detach()))
+    probe = _BlockBitsProbe(expected, handles)
+
+    def check(mod, args, name):
+        if name in probe.seen:
+            return
+        data, scale_inv = TI.block_rowwise(mod._parameters["weight"])
+        want_data, want_scale = probe.expected[name]
+        probe.seen[name] = bool(torch.equal(data, want_data) and torch.equal(scale_inv, want_scale))
+
+    import functools
+
+    for name in expected:
+        handles.append(te_mods[name].register_forward_pre_hook(functools.partial(check, name=name)))
+    return probe
+
+
+def _scale_bytes(net, ag, world_size) -> int:
+    """Bytes of the block scales FSDP2 gathers in one all-gather of every weight: per weight, each shard's scale
+    grid [padded rows / 128, roundup(ceil(cols / 128), 4)] fp32 from every rank (0 under per-tensor scaling: its one
+    scale rides in the metadata)."""
+    if ag.kind != "block":
+        return 0
+    total = 0
+    for name, p in net.named_parameters():
+        if name in ag.weights:
+            rows, cols = p.shape
+            shard_rows = -(-rows // world_size)
+            total += world_size * (shard_rows // 128) * (-(-(-(-cols // 128)) // 4) * 4) * 4
+    return total
+
+
 def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp_replicate=None, tp=None, steps=3,
-           ckpt_dir=None, grad_ckpt=False, loaded=False, ram_efficient=False):
+           ckpt_dir=None, grad_ckpt=False, loaded=False, ram_efficient=False, recipe="delayed", accelerate_ac=False):
     """A transformers model of ``family`` (tests/support/zoo_scenarios.py's tiny configs) under FSDP2 / HSDP / FSDP2 x TP
     with the switch: losses and clipped grad norms every step vs the one-process reference (FP8 weights when on),
     which weights were gathered in FP8, the packed reductions per step; ``ckpt_dir``: save_state, then load_state
     into a differently initialised model with the switch, every parameter compared; ``grad_ckpt``: transformers'
     activation checkpointing on; ``loaded``: sharded at load by transformers (``DistributedConfig(tp, fsdp)``, A18);
-    ``ram_efficient``: the plugin's ``cpu_ram_efficient_loading``."""
+    ``ram_efficient``: the plugin's ``cpu_ram_efficient_loading``; ``accelerate_ac``: accelerate's own FSDP2
+    activation checkpointing (the plugin's ``activation_checkpointing``: ``CheckpointWrapper`` around each decoder
+    layer); ``recipe``: "delayed" or "current"."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -284,16 +349,19 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
         dp_shard = world_size
     S.ensure_rehearsal(True)
     os.environ[ALL_GATHER_ENV] = all_gather
-    ref = _reference(lambda: Z.build(family), "delayed", steps, lambda m: m(**Z.batch()).loss, exclude=("lm_head",),
+    ref = _reference(lambda: Z.build(family), recipe, steps, lambda m: m(**Z.batch()).loss, exclude=("lm_head",),
                      fp8_weights=all_gather == "fp8")
 
     def prepared(seed):
         acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
-                                 fp8_recipe=F.RECIPE, wrap_cls=[Z.DECODER_LAYER[family]],
-                                 cpu_ram_efficient_loading=ram_efficient,
+                                 fp8_recipe=F.RECIPE if recipe == "delayed" else RECIPES[recipe],
+                                 wrap_cls=[Z.DECODER_LAYER[family]], cpu_ram_efficient_loading=ram_efficient,
+                                 activation_checkpointing=accelerate_ac,
                                  mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                              reduce_dtype=torch.float32))
         model = Z.build(family, seed=seed)
+        if accelerate_ac:  # stock too: the recompute would append this step's keys to the KV cache a second time
+            model.config.use_cache = False
         if grad_ckpt:  # transformers' activation checkpointing (recompute routed through TE's checkpoint: A14)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if loaded:
@@ -319,13 +387,13 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
     S.te_reset()
     losses, norms, reductions = [], [], []
     for _ in range(steps):
-        before = ag.scales.reductions if ag is not None else 0
+        before = ag.amax_reductions if ag is not None else 0
         loss = model(**data).loss
         acc.backward(loss)
         norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
-        reductions.append((ag.scales.reductions if ag is not None else 0) - before)
+        reductions.append((ag.amax_reductions if ag is not None else 0) - before)
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(float(value) / world_size)
@@ -334,7 +402,8 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
              "gathered_weights": list(ag.weights) if ag is not None else [],
              "converted": sorted(acc.accel_fp8_fix.conversion.converted), "weight_amax_reductions": reductions,
              "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "non_fp8_gemms": stats["non_fp8_gemms"],
-             "te_linear_weight_types": sorted(seen)}
+             "te_linear_weight_types": sorted(seen), "recipe": recipe,
+             "checkpoint_wrapped": sorted({type(m).__name__ for m in model.modules() if "Checkpoint" in type(m).__name__})}
     if ckpt_dir:
         path = os.path.join(ckpt_dir, f"{family}-{dp_replicate}-{dp_shard}-{tp}-{all_gather}")
         acc.save_state(path)
@@ -366,6 +435,11 @@ def sc_bad_input(rank, world_size, case):
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], cpu_offload=CPUOffloadPolicy())
+    elif case == "block_misaligned":  # dim 64: every weight's shard is 32-128 rows, tiles would cross shards
+        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPES["block"])
+    elif case == "block_1d":
+        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"],
+                                 fp8_recipe=dict(RECIPES["block"], w_block_scaling_dim=1))
     else:
         raise AssertionError(case)
     net = S.block_stack(seed=0)
@@ -374,7 +448,8 @@ def sc_bad_input(rank, world_size, case):
         acc.prepare(net, opt)
     except Exception as exc:  # noqa: BLE001
         return {"error_type": type(exc).__name__, "error": str(exc),
-                "linear_types": sorted({type(m).__name__ for m in net.modules() if "Linear" in type(m).__name__})}
+                "linear_types": sorted({type(m).__name__ for m in net.modules() if "Linear" in type(m).__name__}),
+                "local_tensor_types": sorted({type(getattr(p, "_local_tensor", p)).__name__ for p in net.parameters()})}
     return {"error_type": None}
 
 

@@ -509,9 +509,11 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
             "amax_reductions": stats["amax_reductions"], "extra_state_sizes": sorted(set(extra.values()))}
 
 
-def train_te_reference(model, recipe, batch: dict, steps: int, lr: float, max_norm: float) -> tuple[list, list]:
-    """One process, the TE-converted ``model`` trained with SGD under TE autocast (no amax group): the losses and
-    clipped grad norms per step the multi-rank runs are compared with."""
+def train_te_reference(model, recipe, batch: dict, steps: int, lr: float, max_norm: float, fp8: bool = True,
+                       after_first_backward=None) -> tuple[list, list]:
+    """One process, the TE-converted ``model`` trained with SGD under TE autocast (FP8 on unless ``fp8=False``; no
+    amax group): the losses and clipped grad norms per step the multi-rank runs are compared with.
+    ``after_first_backward(model)`` runs once, with step 0's gradients in place (e.g. to keep some of them)."""
     import torch
     import transformer_engine.pytorch as te
 
@@ -519,10 +521,12 @@ def train_te_reference(model, recipe, batch: dict, steps: int, lr: float, max_no
 
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, norms = [], []
-    for _ in range(steps):
-        with te_autocast(te)(True, recipe, None):
+    for step in range(steps):
+        with te_autocast(te)(fp8, recipe, None):
             loss = model(**batch).loss
         loss.backward()
+        if step == 0 and after_first_backward is not None:
+            after_first_backward(model)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         opt.zero_grad()

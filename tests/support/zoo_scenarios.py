@@ -53,8 +53,13 @@ def build(family: str, seed: int = 0):
         config = tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    decoder_sparse_step=1, norm_topk_prob=True, **common)
         cls = tf.Qwen3MoeForCausalLM
+    elif family == "qwen2_moe":  # packed experts plus a shared expert (an MLP) gated by a Linear(hidden, 1)
+        config = tf.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=False,
+                                   **common)
+        cls = tf.Qwen2MoeForCausalLM
     else:
-        raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES + ('qwen2_moe',)}")
     torch.manual_seed(seed)
     return cls(config)
 
@@ -82,36 +87,26 @@ def _recipe(name=None):
                                     reduce_amax=False)
 
 
-def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, recipe=None):
-    """One process, full batch, the family's model converted to TE (lm_head kept, as the ranks keep it) when
-    ``fp8``: (losses, grad norms before clipping, converted names, step-0 gradients of 1-D parameters)."""
-    import torch
+def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, recipe=None, moe_experts: bool = True):
+    """One process, full batch, the family's model converted to TE (lm_head kept, as the ranks keep it; packed MoE
+    experts on TE grouped GEMMs when ``moe_experts``, as the ranks convert them) when ``fp8``: (losses, grad norms
+    before clipping, converted names, step-0 gradients of 1-D parameters)."""
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
     model = build(family)
     from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
 
     te_recipe = _recipe(recipe)
-    converted = sorted(convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(te_recipe)).converted) if fp8 else []
+    converted = sorted(convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(te_recipe),
+                                              moe_experts=moe_experts).converted) if fp8 else []
     for module in model.modules():
         if fsdp2 and hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, norms, small_grads = [], [], {}
-    for step in range(steps):
-        with te_autocast(te)(fp8, te_recipe, None):
-            loss = model(**batch()).loss
-        loss.backward()
-        if step == 0:
-            small_grads = _small_param_grads(model)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    F.reset_te_global_state()
+    small_grads = {}
+    losses, norms = F.train_te_reference(model, te_recipe, batch(), steps, LR, 1e9, fp8=fp8,
+                                         after_first_backward=lambda m: small_grads.update(_small_param_grads(m)))
     return losses, norms, converted, small_grads
 
 
@@ -167,6 +162,14 @@ def _full(param):
     return param.full_tensor() if type(param).__name__ == "DTensor" else param
 
 
+def _experts_convert(family: str, layout: str) -> bool:
+    """Whether the ranks put this family's packed experts on TE grouped GEMMs under ``layout``: their TP-local
+    expert width (moe_intermediate_size / tp) must be a multiple of 16, TE's FP8 GEMM dim (fixes/moe_experts.py)."""
+    config = build(family).config
+    width = getattr(config, "moe_intermediate_size", None)
+    return width is None or (width // (LAYOUTS[layout][2] or 1)) % 16 == 0
+
+
 def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_dir=None, recipe=None):
     import torch
     import torch.distributed as dist
@@ -175,7 +178,8 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
 
     S.ensure_rehearsal(True)
     ref_losses, ref_norms, ref_converted, ref_grads = reference(family, fsdp2=LAYOUTS[layout][1] is not None, steps=steps,
-                                                             fp8=precision == "fp8", recipe=recipe)
+                                                             fp8=precision == "fp8", recipe=recipe,
+                                                             moe_experts=_experts_convert(family, layout))
     acc, model, opt = _prepared(family, layout, seed=0, precision=precision, recipe=recipe)
     setup = getattr(acc, "accel_fp8_fix", None)
     dp_rank, dp_size = _data_rank(acc, layout)
@@ -202,6 +206,8 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
     leaves = all(p.is_leaf for p in model.parameters())
     facts = {
         "converted": sorted(setup.conversion.converted) if setup else [],
+        "experts": list(setup.conversion.experts) if setup else [],
+        "experts_expected": _experts_convert(family, layout),
         "reference_converted": ref_converted,
         "skipped": dict(setup.conversion.skipped) if setup else {},
         "fp8_enabled": bool(setup and setup.fp8_enabled),
@@ -222,7 +228,7 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
         model.train()
         try:
             acc.save_state(path)
-        except ValueError as exc:  # A16: a TP-packed parameter (Qwen3-MoE experts) in a sharded save
+        except ValueError as exc:  # a refusal by name of a sharded save
             facts["checkpoint_refused"] = str(exc)
             F.reset_te_global_state()
             return facts

@@ -65,13 +65,24 @@ def test_the_setting_is_registered_with_its_config_key():
         setting.parse("bf16")
 
 
-@pytest.mark.parametrize("name", ["MXFP8BlockScaling", "NVFP4BlockScaling", "Float8BlockScaling"])
+@pytest.mark.parametrize("name", ["MXFP8BlockScaling", "NVFP4BlockScaling"])
 def test_recipes_it_cannot_serve_are_refused_by_name(name):
     assert name in policy.refusal(name, is_fsdp2=True)
-    assert policy.refusal("DelayedScaling", is_fsdp2=True) is None
-    assert policy.refusal("Float8CurrentScaling", is_fsdp2=True) is None
+    for served in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"):
+        assert policy.refusal(served, is_fsdp2=True) is None
     assert "FSDP2" in policy.refusal("DelayedScaling", is_fsdp2=False)
     assert "CPU offload" in policy.refusal("DelayedScaling", is_fsdp2=True, cpu_offload=True)
+
+
+def test_block_scaling_is_served_with_128x128_weight_tiles_only():
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    te_on_cpu.install()  # TE's real Python (its recipe classes) over the CPU kernel shim
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    assert policy.block_recipe_refusal(Float8BlockScaling()) is None
+    why = policy.block_recipe_refusal(Float8BlockScaling(w_block_scaling_dim=1))
+    assert "Float8BlockScaling" in why and "w_block_scaling_dim=1" in why
 
 
 def test_te_recipe_kwargs_refuses_an_unserved_recipe_and_records_the_switch():
@@ -90,7 +101,19 @@ def test_the_installed_te_has_what_the_fp8_all_gather_needs():
     from accel_fp8_fix.engine.versions import installed_version
     from accel_fp8_fix.internals.transformer_engine import fp8_all_gather_missing
 
-    assert fp8_all_gather_missing({"transformer-engine": installed_version("transformer-engine")}) == []
+    versions = {"transformer-engine": installed_version("transformer-engine")}
+    assert fp8_all_gather_missing(versions) == [] and fp8_all_gather_missing(versions, "Float8BlockScaling") == []
+
+
+def test_a_te_without_the_block_pieces_refuses_only_block_scaling(monkeypatch):
+    from accel_fp8_fix.internals import transformer_engine as TI
+
+    monkeypatch.setattr(TI, "FP8_ALL_GATHER_BLOCK_SOURCES",
+                        TI.FP8_ALL_GATHER_BLOCK_SOURCES + (("pytorch/tensor/float8_blockwise_tensor.py", "no such text"),))
+    versions = {"transformer-engine": "2.20.2", "torch": "2.13.0"}
+    why = policy.refusal("Float8BlockScaling", is_fsdp2=True, versions=versions)
+    assert "Transformer Engine lacks" in why and "no such text" in why
+    assert policy.refusal("Float8CurrentScaling", is_fsdp2=True, versions=versions) is None
 
 
 def _config(tmp_path, fp8=None, **changes):

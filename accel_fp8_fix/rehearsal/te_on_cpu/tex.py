@@ -2,7 +2,8 @@
 
 Everything above the kernels is TE's own Python. This module is registered as
 ``sys.modules["transformer_engine_torch"]`` by ``te_on_cpu.install()`` and supplies the ops that
-``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``LayerNorm`` and ``RMSNorm`` call for every recipe of
+``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``LayerNorm``, ``RMSNorm`` and ``GroupedLinear`` (discrete weights;
+grouped ops in ``grouped.py``) call for every recipe of
 TE 2.20 — ``DelayedScaling``, ``Float8CurrentScaling``, ``MXFP8BlockScaling``, ``Float8BlockScaling``,
 ``NVFP4BlockScaling`` — written from TE's C++/CUDA sources (``pytorch/csrc/extensions/*.cpp``,
 ``pytorch/csrc/quantizer.cpp``, ``common/recipe/*.cu``, ``common/transpose/*blockwise*.cu``,
@@ -1622,6 +1623,18 @@ def get_fused_attn_backend(*args, **kwargs):
 
 
 # --------------------------------------------------------------------------------------------------
+# Grouped ops (GroupedLinear, Fp8Padding / Fp8Unpadding): grouped.py, one generic_gemm / quantize per group
+
+from .grouped import (  # noqa: E402  (grouped.py reads this module's kernels)
+    fused_multi_row_padding,
+    fused_multi_row_unpadding,
+    multi_tensor_quantize,
+    split_quantize,
+    splits_to_offsets,
+    te_general_grouped_gemm,
+)
+
+# --------------------------------------------------------------------------------------------------
 # Everything else TE's extension has: a named NotImplementedError when called. Names it does not have:
 # AttributeError, as the real module (``hasattr(tex, name)``, ``getattr(tex, name, default)`` answer as on a GPU).
 
@@ -1727,7 +1740,7 @@ def _not_implemented(name: str):
         raise NotImplementedError(
             f"transformer_engine_torch.{name}: not implemented by the CPU rehearsal of Transformer "
             "Engine (accel_fp8_fix.rehearsal.te_on_cpu); it covers Linear, LayerNormLinear, "
-            "LayerNormMLP, LayerNorm and RMSNorm under TE's recipes (delayed / current scaling, MXFP8, FP8 "
+            "LayerNormMLP, LayerNorm, RMSNorm and GroupedLinear (discrete weights) under TE's recipes (delayed / current scaling, MXFP8, FP8 "
             "block scaling, NVFP4)"
         )
 

@@ -1,0 +1,237 @@
+"""MoE experts packed as 3-D parameters run their GEMMs in FP8 through Transformer Engine's ``GroupedLinear``.
+
+transformers 5.x stores a MoE layer's experts as two 3-D parameters (``@use_experts_implementation`` classes:
+Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 ...): ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``,
+and loops over the experts a batch hits with ``F.linear(x, gate_up_proj[e])``. After sharding, each supported
+experts module gets a forward that
+
+- keeps the user's Parameters exactly (names, shapes, dtype, FSDP2 / HSDP / TP sharding, DCP): state_dict keys
+  and checkpoints are plain transformers' plus the FP8 ``_extra_state`` of two parameter-less TE modules
+  (``te_gate_up``, ``te_down``), left out of exports like every TE module's (fixes/checkpoint.py);
+- sorts the (token, expert) pairs by expert (within an expert: by top-k slot, then token — transformers' order),
+  counts the rows per expert (``m_splits``, zeros allowed) and, under FP8, pads each expert's rows to the FP8 row
+  multiple (16; 32 for MXFP8) with zero rows, unpadded after each GEMM;
+- runs both expert GEMMs as one ``te.GroupedLinear(num_gemms=E)`` each, on per-expert views of the (unsharded)
+  3-D parameter: ``gate_up_proj[e]`` is ``[2I, H]`` = TE's ``[out, in]``; the views are handed to TE for the
+  call only (internals/transformer_engine.py), so autograd returns each expert's weight gradient to the 3-D
+  Parameter FSDP2 / TP own;
+- applies the class's own gating (``_apply_gate``: ``act(gate) * up``), the routing weights and the
+  ``index_add_`` of transformers' loop, under the model's TE autocast (same recipe and amax group).
+
+TP (``moe_tp_experts`` with ``packed_colwise`` gate_up / ``rowwise`` down) keeps transformers' own input and
+output transforms: the forward here is what transformers' TP forward calls, on the local shards it hands in
+(each rank: its ``I / tp`` slice of every expert, outputs summed by the style). Refused by name (kept in high
+precision, in the conversion report): expert parallelism, biases, transposed or non-gated experts, a post-expert
+norm, a TP layout other than the one above, local dims that are not a multiple of the recipe's.
+
+Why GroupedLinear on views (and not E ``te.Linear`` or a new parameter layout): one grouped GEMM per
+projection with ``num_gemms=E`` FP8 metadata is what TE's MoE path (Megatron-core ``TEGroupedLinear``) runs;
+owning the weights would change the parameters FSDP2 / TP / DCP see.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import MethodType
+
+import torch
+from torch import nn
+
+from ..distributed.dtensor import is_dtensor
+from ..internals import torch_internals, transformers_tp
+from ..internals import transformer_engine as te_internals
+from .fp8_shapes import FP8_LAST_MULTIPLE, recipe_multiples
+
+logger = logging.getLogger(__name__)
+
+CONVERTED_ATTR = "_accel_fp8_fix_te_experts"  # set on an experts module whose GEMMs run in TE
+RUNNERS = ("te_gate_up", "te_down")
+
+
+def is_packed_experts(module: nn.Module) -> bool:
+    """A module holding MoE experts as 3-D parameters (any: supported or not)."""
+    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def is_converted(module: nn.Module) -> bool:
+    return bool(getattr(module, CONVERTED_ATTR, False))
+
+
+def _shape_reason(module) -> str | None:
+    if getattr(module, "_is_expert_parallel", False):
+        return "expert parallelism (transformers' EP plan) dispatches tokens itself: not supported here yet"
+    if not hasattr(module, "has_gate"):
+        return "not a transformers @use_experts_implementation experts class"
+    unsupported = [what for what, flag in (("biases", getattr(module, "has_bias", False)),
+                                           ("transposed weights [E, in, out]", getattr(module, "is_transposed", False)),
+                                           ("no gate (up_proj only)", not getattr(module, "has_gate", True)),
+                                           ("a post-expert norm", getattr(module, "has_post_expert_norm", False)))
+                   if flag]
+    if unsupported:
+        return f"experts with {', '.join(unsupported)}: not supported by this package's grouped-GEMM forward yet"
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
+        return "expects 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]"
+    experts = getattr(module, "num_experts", None)
+    if experts != gate_up.shape[0] or experts != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2]:
+        return (f"gate_up_proj {list(gate_up.shape)} / down_proj {list(down.shape)} do not match num_experts={experts}"
+                " and the [E, 2I, H] / [E, H, I] layout")
+    return None
+
+
+def _tp_dims(param):
+    """([(mesh dim name, placement, size)] of a DTensor parameter's TP dims, [...] of its data-parallel dims). A dim
+    is data-parallel when named so, or — unnamed or named otherwise, but not 'tp' — when it carries FSDP's own
+    placement (Shard(0) / Replicate): accelerate's plain FSDP2 mesh has no dim names."""
+    from .te_convert import DATA_PARALLEL_DIMS, _fsdp_placement
+
+    if not is_dtensor(param):
+        return [], None
+    mesh = param.device_mesh
+    names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+    tp, other = [], []
+    for i, (dim, placement) in enumerate(zip(names, param.placements)):
+        data_parallel = dim in DATA_PARALLEL_DIMS or (dim != "tp" and _fsdp_placement(placement))
+        (other if data_parallel else tp).append((dim, placement, mesh.size(i)))
+    return tp, other
+
+
+def _tp_size(module) -> tuple[int, str | None]:
+    """(TP degree of the experts' parameters, why their layout cannot run here — None when it can)."""
+    from .te_convert import _fsdp_placement
+
+    sizes = []
+    for name, want in (("gate_up_proj", "packed"), ("down_proj", "row")):
+        tp, other = _tp_dims(getattr(module, name))
+        for dim, placement, _ in other or ():
+            if not _fsdp_placement(placement):
+                return 1, f"{name} has placement {placement} on mesh dim {dim!r}; only FSDP's Shard(0) or Replicate"
+        tp = [t for t in tp if t[2] > 1]
+        if not tp:
+            sizes.append(1)
+            continue
+        if len(tp) > 1:
+            return 1, f"{name} is sharded on several TP-like mesh dims {[t[0] for t in tp]}"
+        dim, placement, size = tp[0]
+        ok = (torch_internals.is_strided_shard(placement) and placement.dim == 1
+              and getattr(placement, "split_factor", None) == 2) if want == "packed" else (
+            placement.is_shard() and not torch_internals.is_strided_shard(placement) and placement.dim in (2, -1))
+        if not ok:
+            return 1, (f"{name} has placement {placement} on mesh dim {dim!r}; supported: transformers' packed_colwise "
+                       "gate_up_proj (_StridedShard(dim=1, sf=2)) and rowwise down_proj (Shard(2))")
+        sizes.append(size)
+    if len(set(sizes)) > 1:
+        return 1, f"gate_up_proj and down_proj are TP-sharded over different degrees {sizes}"
+    if sizes[0] > 1:
+        style = transformers_tp.tp_style(module)
+        if style is None or type(style).__name__ != transformers_tp.EXPERTS_STYLE:
+            return 1, (f"TP-sharded experts need transformers' moe_tp_experts style ({transformers_tp.EXPERTS_STYLE}) "
+                       f"on the experts module, found {type(style).__name__ if style is not None else 'none'}")
+    return sizes[0], None
+
+
+def _refusal(module, dim_multiple: int) -> tuple[int, str | None]:
+    """(TP degree, why this experts module stays in high precision — None when it converts)."""
+    reason = _shape_reason(module)
+    if reason is not None:
+        return 1, reason
+    tp_size, reason = _tp_size(module)
+    if reason is not None:
+        return 1, reason
+    experts, two_i, hidden = module.gate_up_proj.shape
+    dims = {"2*I / tp (gate_up out)": two_i // tp_size, "H": hidden, "I / tp (down in)": (two_i // 2) // tp_size}
+    bad = {k: v for k, v in dims.items() if v % dim_multiple}
+    if bad or two_i % (2 * tp_size):
+        return tp_size, (f"expert GEMM dims on this rank {dims}: TE's FP8 GEMMs need multiples of {dim_multiple}")
+    missing = te_internals.grouped_views_missing()
+    if missing:
+        return tp_size, f"the installed Transformer Engine's GroupedLinear cannot run on views: {'; '.join(missing)}"
+    return tp_size, None
+
+
+def _fp8_row_multiple() -> int | None:
+    """The rows each expert's GEMM input must be a multiple of under the current FP8 recipe; None when FP8 is off."""
+    manager = te_internals.fp8_global_state()
+    if not manager.is_fp8_enabled():
+        return None
+    return max(FP8_LAST_MULTIPLE, recipe_multiples(manager.get_fp8_recipe())[0])
+
+
+def _routing(top_k_index, num_experts: int, align: int | None):
+    """Rows sorted by expert: (token of each row, top-k slot of each row, m_splits, padded row of each row or
+    None, padded rows in all)."""
+    tokens = top_k_index.shape[0]
+    flat = top_k_index.t().reshape(-1)  # (slot, token) order, as transformers' torch.where(expert_mask[e])
+    if flat.numel() and int(flat.max()) >= num_experts:
+        raise RuntimeError(f"accel_fp8_fix: expert index {int(flat.max())} >= num_experts={num_experts} (an EP "
+                           "sentinel?): the FP8 grouped-GEMM experts forward does not run expert parallelism")
+    expert_of_row, order = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    token, slot = order % tokens, order // tokens
+    if align is None:
+        return token, slot, counts.cpu(), None, int(flat.numel())
+    padded = (counts + align - 1) // align * align
+    start = torch.cumsum(counts, 0) - counts
+    start_padded = torch.cumsum(padded, 0) - padded
+    rows = torch.arange(flat.numel(), device=flat.device)
+    dest = start_padded[expert_of_row] + rows - start[expert_of_row]
+    return token, slot, padded.cpu(), dest, int(padded.sum())
+
+
+def _grouped(runner, weight, x, splits, dest, total):
+    """One grouped GEMM of ``x`` (rows sorted by expert) with the experts' ``weight [E, out, in]``."""
+    if dest is not None:
+        x = x.new_zeros(total, x.shape[-1]).index_copy(0, dest, x)
+    y = te_internals.grouped_linear_on_views(runner, weight.unbind(0), x, splits)
+    return y.index_select(0, dest) if dest is not None else y
+
+
+def te_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts forward (``hidden_states [T, H]``, ``top_k_index`` / ``top_k_weights [T, k]`` ->
+    ``[T, H]``) with both expert GEMMs as TE grouped GEMMs on views of the experts' 3-D parameters."""
+    gate_up, down = self.gate_up_proj, self.down_proj
+    if is_dtensor(gate_up) or is_dtensor(down):
+        raise RuntimeError(
+            f"accel_fp8_fix: {type(self).__name__} reached its FP8 forward with DTensor parameters "
+            f"({getattr(gate_up, 'placements', None)}): FSDP2 did not unshard them, or transformers' TP style did "
+            "not hand in local shards")
+    with torch.no_grad():
+        token, slot, splits, dest, total = _routing(top_k_index, self.num_experts, _fp8_row_multiple())
+    hidden = _grouped(self.te_gate_up, gate_up, hidden_states[token], splits, dest, total)
+    hidden = self._apply_gate(hidden)
+    out = _grouped(self.te_down, down, hidden, splits, dest, total)
+    out = out * top_k_weights[token, slot, None]
+    final = torch.zeros_like(hidden_states)
+    final.index_add_(0, token, out.to(final.dtype))
+    return final
+
+
+def _install(te, module, tp_size: int) -> None:
+    experts, two_i, hidden = module.gate_up_proj.shape
+    dtype = module.gate_up_proj.dtype
+    local_i = two_i // 2 // tp_size
+    gate_up = te_internals.grouped_linear_without_weights(te, experts, hidden, 2 * local_i, dtype)
+    down = te_internals.grouped_linear_without_weights(te, experts, local_i, hidden, dtype)
+    for name, runner in zip(RUNNERS, (gate_up, down)):
+        runner.train(module.training)
+        module.add_module(name, runner)
+    forward = MethodType(te_experts_forward, module)
+    if not transformers_tp.replace_original_forward(module, forward):
+        module.forward = forward
+    setattr(module, CONVERTED_ATTR, True)
+
+
+def convert_experts(model: nn.Module, te, dim_multiple: int = FP8_LAST_MULTIPLE, exclude=()) -> tuple[list, list]:
+    """Give every supported packed-experts module of ``model`` the FP8 grouped-GEMM forward; (converted names,
+    [(name, reason)] kept in high precision)."""
+    converted, skipped = [], []
+    for name, module in model.named_modules():
+        if name in exclude or not is_packed_experts(module) or is_converted(module):
+            continue
+        tp_size, reason = _refusal(module, dim_multiple)
+        if reason is not None:
+            skipped.append((name, reason))
+            continue
+        _install(te, module, tp_size)
+        converted.append(name)
+    return converted, skipped

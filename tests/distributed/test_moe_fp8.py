@@ -1,0 +1,119 @@
+"""MoE experts in FP8 under FSDP2 / HSDP / FSDP2 x TP (issue 19; fixes/moe_experts.py): Qwen3-MoE and Qwen2-MoE
+(shared expert) prepared by the package, their packed experts on TE grouped GEMMs over views of the sharded 3-D
+parameters (TP: transformers' packed_colwise / rowwise local shards inside its moe_tp_experts style), 3 steps
+against the one-process references: an FP8 run (the same conversion, full batch) and, with TE autocast off, plain
+transformers in fp32 (eager experts loop). CPU, gloo, TE's real Python over the CPU shim.
+
+Scenarios: tests/support/moe_scenarios.py; one 2-rank launch (FSDP2; TP alone for Qwen3-MoE), one 4-rank launch
+(HSDP 2x2, FSDP2 x TP 2x2).
+"""
+
+import pytest
+
+from support import moe_scenarios as M
+from support import scenarios as S
+
+PLAN_2 = [("sc_moe", {"family": f, "layout": "fsdp2", "fp8": fp8}) for f in M.FAMILIES for fp8 in (True, False)] + [
+    ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": fp8}) for fp8 in (True, False)] + [  # TP alone, 2 ranks
+    ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": False, "experts": False}),  # transformers' experts, same TP
+    ("sc_proportioned_coverage", {})]
+TP_ALONE_OFF = {"family": "qwen3_moe", "layout": "tp", "fp8": False}
+PLAN_4 = [("sc_moe", {"family": f, "layout": layout, "fp8": fp8})
+          for layout in ("hsdp", "fsdp2_tp") for f in M.FAMILIES for fp8 in (True, False)]
+LINEARS_PER_LAYER = {"qwen3_moe": 4, "qwen2_moe": 7}  # q, k, v, o (+ the shared expert's gate, up, down)
+EXPERT_GEMMS_PER_STEP = 4 * 2 * 2  # at most: 4 experts x 2 projections x 2 layers, forward
+CASES = [kw for name, kw in PLAN_2 + PLAN_4 if name == "sc_moe" and kw.get("experts", True) and kw != TP_ALONE_OFF]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return {2: M.launch(PLAN_2, 2), 4: M.launch(PLAN_4, 4)}
+
+
+def _facts(launched, kw):
+    plan, world = (PLAN_2, 2) if kw["layout"] in ("fsdp2", "tp") else (PLAN_4, 4)
+    return S.facts_of(launched[world], S.key_of(plan, "sc_moe", kw))
+
+
+def _plain_parameter_names(family):
+    from support import zoo_scenarios as Z
+
+    return sorted(n for n, _ in Z.build(family).named_parameters())
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: f"{kw['family']}-{kw['layout']}-{'fp8' if kw['fp8'] else 'off'}")
+def test_experts_train_like_the_one_process_reference(launched, kw):
+    fp8 = kw["fp8"]
+    names = _plain_parameter_names(kw["family"])
+    for f in _facts(launched, kw):
+        assert f["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+        assert not any(".experts" in n for n in f["skipped"]), f["skipped"]
+        assert f["params_are_leaves"] and f["param_names"] == names  # the user's parameters, untouched
+        # the experts ran in TE: 2 grouped modules per layer, forward / dgrad / wgrad each one grouped GEMM
+        assert f["runner_calls"] == 4 * M.STEPS and f["grouped_gemms"] == 12 * M.STEPS
+        linears = 2 * LINEARS_PER_LAYER[kw["family"]] * M.STEPS
+        gemms = f["fp8_gemms_fwd"] if fp8 else f["non_fp8_gemms_fwd"]
+        assert linears < gemms <= linears + EXPERT_GEMMS_PER_STEP * M.STEPS
+        assert (f["non_fp8_gemms_fwd"] if fp8 else f["fp8_gemms_fwd"]) == 0
+        assert f["fp8_state_identical_every_step"] == [True] * M.STEPS
+        if fp8:  # step 0 to FP8 summation-order noise, later steps within FP8 resolution
+            assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4)
+            assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+            assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=3e-2)
+        else:  # plain transformers in fp32: equal up to the data-parallel mean's summation order
+            assert f["losses"] == pytest.approx(f["reference"], rel=1e-6)
+            assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-5)
+            errors = f["expert_grad_rel_errors"]
+            assert len(errors) == 4 and None not in errors.values() and max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.parametrize("kw", [kw for kw in CASES if kw["fp8"]],
+                         ids=lambda kw: f"{kw['family']}-{kw['layout']}")
+def test_tp_layouts_and_coverage(launched, kw):
+    for f in _facts(launched, kw):
+        placements = f["expert_placements"]
+        gate_up, down = (placements[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_up_proj", "down_proj"))
+        if kw["layout"] == "fsdp2_tp":  # transformers' packed_colwise / rowwise shards under FSDP2's Shard(0)
+            assert gate_up == ["S(0)", "_S(1, 2)"] and down == ["S(0)", "S(2)"]
+            assert f["runner_features"] == [[64, 32], [16, 64]]  # this rank's I / tp = 16 of every expert
+        elif kw["layout"] == "tp":
+            assert gate_up == ["_S(1, 2)"] and down == ["S(2)"] and f["runner_features"] == [[64, 32], [16, 64]]
+        else:
+            assert f["runner_features"] == [[64, 64], [32, 64]]
+        kept = dict(f["high_precision"])
+        assert not any("experts" in n for n in kept), kept
+        routers = {f"model.layers.{i}.mlp.gate" for i in (0, 1)}
+        assert routers <= set(kept) and all("by design" in kept[r] for r in routers)
+        assert set(kept) - routers <= {"lm_head"} | {f"model.layers.{i}.mlp.shared_expert_gate" for i in (0, 1)}
+        # lm_head (its own FSDP2 unit; under TP the output layer) stays high precision: 16 % of these tiny models
+        assert f["coverage"] > 0.8
+
+
+def test_coverage_of_a_qwen3_moe_with_real_proportions_and_no_warning(launched):
+    """The demo line's figure after the package's prepare: with a real MoE's proportions (experts most of the
+    GEMM weights) >= 90 % of GEMM parameters in FP8 — the rest lm_head (its own FSDP2 unit) and the routers, both
+    by design, so prepare does not warn."""
+    for f in S.facts_of(launched[2], S.key_of(PLAN_2, "sc_proportioned_coverage", {})):
+        assert f["coverage"] >= 0.9, f
+        kept = dict(f["high_precision"])
+        assert set(kept) == {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}, kept
+        assert f["coverage_warnings"] == []
+
+
+def test_tp_alone_without_fp8_is_transformers_own_experts_under_the_same_tp(launched):
+    """TP alone (2 ranks, no FSDP2), TE autocast off: the converted experts give the losses, grad norms and step-0
+    expert gradients of transformers' own experts under the very same TP. (Both differ from the one-process fp32
+    reference by ~3e-5 in the loss from step 0 — with or without this conversion: a TP-alone deviation outside
+    the experts, left to its own issue.)"""
+    import torch
+
+    ours = _facts(launched, TP_ALONE_OFF)
+    theirs = S.facts_of(launched[2], S.key_of(PLAN_2, "sc_moe", {**TP_ALONE_OFF, "experts": False}))
+    for f, g in zip(ours, theirs):
+        assert f["experts"] and not g["experts"] and g["runner_calls"] == 0
+        assert f["runner_calls"] == 4 * M.STEPS and f["non_fp8_gemms_fwd"] > g["non_fp8_gemms_fwd"]
+        assert f["losses"] == pytest.approx(g["losses"], rel=1e-6)
+        assert f["grad_norms"] == pytest.approx(g["grad_norms"], rel=1e-5)
+        for name, grad in g["step0_expert_grads"].items():
+            want, got = torch.tensor(grad), torch.tensor(f["step0_expert_grads"][name])
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-6, name

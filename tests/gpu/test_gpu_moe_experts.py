@@ -1,0 +1,69 @@
+"""MoE experts on TE grouped GEMMs (fixes/moe_experts.py) on REAL Transformer Engine: one CUDA GPU, world size 1,
+through accelerate's FSDP2 ``prepare`` with the fixes active.
+
+What the CPU rehearsal cannot prove: TE's CUDA ``split_quantize`` and cuBLAS grouped GEMM (``te_general_grouped_gemm``)
+on per-expert views of the 3-D parameters, the FP8 padding of each expert's rows, and the training loss against
+the bf16 run. Skipped without CUDA, real TE or FP8 support (tests/gpu/_real_te.py says why).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _real_te import GemmSpy, reset_accelerate, single_rank_process_group, torch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    yield from single_rank_process_group()
+
+
+def _train(mixed_precision: str, steps: int = 4):
+    import transformers as tf
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin, TERecipeKwargs
+
+    reset_accelerate()
+    config = tf.Qwen3MoeConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=128, decoder_sparse_step=1, max_position_embeddings=128,
+                               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.Qwen3MoeForCausalLM(config).cuda()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["Qwen3MoeDecoderLayer"])
+    handlers = [TERecipeKwargs(fp8_format="HYBRID", amax_history_len=16, amax_compute_algo="max")]
+    acc = Accelerator(mixed_precision=mixed_precision, fsdp_plugin=plugin,
+                      kwargs_handlers=handlers if mixed_precision == "fp8" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    ids = torch.randint(0, 1024, (4, 100), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    losses = []
+    with GemmSpy("te_general_grouped_gemm") as spy:
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=ids).loss  # 400 tokens x top-2 over 8 experts: uneven, padded rows
+            acc.backward(loss)
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+    setup = getattr(acc, "accel_fp8_fix", None)
+    experts = list(setup.conversion.experts) if setup is not None and mixed_precision == "fp8" else []
+    names = sorted(n for n, _ in model.named_parameters())
+    return {"losses": losses, "grouped": spy.calls, "grouped_fp8": spy.fp8, "experts": experts, "names": names}
+
+
+def test_experts_train_in_fp8_on_te_grouped_gemms_like_the_bf16_run(single_rank):
+    fp8 = _train("fp8")
+    bf16 = _train("bf16")
+    assert fp8["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    # 2 layers x 2 projections: forward, dgrad, wgrad each one grouped GEMM, every one on FP8 operands
+    assert fp8["grouped"] == 12 * 4 and fp8["grouped_fp8"] == fp8["grouped"]
+    assert bf16["grouped"] == 0  # stock: transformers' own experts
+    assert fp8["names"] == bf16["names"]  # the user's parameters, untouched
+    assert all(torch.isfinite(torch.tensor(fp8["losses"])))
+    assert fp8["losses"] == pytest.approx(bf16["losses"], rel=5e-2)

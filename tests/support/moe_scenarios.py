@@ -1,0 +1,548 @@
+"""MoE experts in FP8 (fixes/moe_experts.py, issue 19) scenarios: the one-process checks of
+tests/unit/test_moe_experts.py (each in a fresh process: TE's Python over the CPU shim) and the ranks of
+tests/distributed/test_moe_fp8.py (Qwen3-MoE and Qwen2-MoE under FSDP2, HSDP and FSDP2 x TP).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+from . import fp8_scenarios as F
+from . import scenarios as S
+from . import zoo_scenarios as Z
+
+FAMILIES = ("qwen3_moe", "qwen2_moe")
+DECODER_LAYER = {"qwen3_moe": "Qwen3MoeDecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer"}
+LAYOUTS = {"fsdp2": (None, 2, None), "tp": (None, None, 2), "hsdp": (2, 2, None), "fsdp2_tp": (None, 2, 2)}  # (dp_replicate, dp_shard, tp)
+STEPS = 3
+LR = 0.02
+TOKENS = 40  # rows of the experts-level checks: 80 (token, expert) pairs over 4 experts (no count a multiple of 16)
+
+
+def _te():
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    te_on_cpu.install()
+    import transformer_engine.pytorch as te
+
+    return te
+
+
+def _recipe(kind):
+    import transformer_engine.common.recipe as R
+
+    if kind == "current":
+        return R.Float8CurrentScaling(fp8_format=R.Format.HYBRID)
+    if kind == "mxfp8":
+        return R.MXFP8BlockScaling()
+    return R.DelayedScaling(fp8_format=R.Format.HYBRID, amax_history_len=16, amax_compute_algo="max", reduce_amax=False)
+
+
+def _experts_of(model, layer=0):
+    return model.model.layers[layer].mlp.experts
+
+
+def _eager(experts, implementation="eager"):
+    """A copy of transformers' experts module running ``implementation`` (its own loop: "eager")."""
+    ref = copy.deepcopy(experts)
+    ref.config = copy.copy(ref.config)
+    ref.config._experts_implementation = implementation
+    return ref
+
+
+def _routing(family, zero_experts=()):
+    """(hidden [T, H], top_k_index, top_k_weights) from the model's own router; ``zero_experts`` never chosen."""
+    import torch
+
+    model = Z.build(family)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(TOKENS, 64, generator=g)
+    logits = model.model.layers[0].mlp.gate(hidden)[0].detach()
+    for e in zero_experts:
+        logits[:, e] = -1e9
+    weights, index = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
+    return hidden, index, weights
+
+
+def _run_experts(experts, hidden, index, weights, grad, autocast=None):
+    import contextlib
+
+    h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+    with autocast if autocast is not None else contextlib.nullcontext():
+        out = experts(h, index, w)
+    out.backward(grad)
+    return {"out": out.detach(), "hidden": h.grad, "weights": w.grad,
+            "gate_up_proj": experts.gate_up_proj.grad.clone(), "down_proj": experts.down_proj.grad.clone()}
+
+
+def _compare(got, want) -> dict:
+    """{tensor: [exactly equal, max |diff|, ||diff|| / ||want||]}."""
+    import torch
+
+    out = {}
+    for k, v in want.items():
+        diff = (got[k] - v).float()
+        out[k] = [bool(torch.equal(got[k], v)), float(diff.abs().max()),
+                  float(diff.norm() / v.float().norm().clamp_min(1e-30))]
+    return out
+
+
+def _te_linear_loop(experts, hidden, index, weights, grad, autocast):
+    """transformers' eager loop with each expert GEMM a ``te.Linear`` on ``gate_up_proj[e]`` / ``down_proj[e]``
+    (its rows zero-padded to 16 for FP8): what the grouped GEMM must reproduce expert by expert."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    def linear(x, weight):
+        lin = te.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        lin._parameters["weight"] = weight
+        rows = -(-x.shape[0] // 16) * 16
+        padded = torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+        return lin(padded)[: x.shape[0]]
+
+    h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+    final = torch.zeros_like(h)
+    mask = torch.nn.functional.one_hot(index, num_classes=experts.num_experts).permute(2, 1, 0)
+    with autocast:
+        for e in range(experts.num_experts):
+            slot, token = torch.where(mask[e])
+            if token.numel() == 0:
+                continue
+            gate, up = linear(h[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            out = linear(experts.act_fn(gate) * up, experts.down_proj[e]) * w[token, slot, None]
+            final.index_add_(0, token, out)
+    final.backward(grad)
+    return {"out": final.detach(), "hidden": h.grad, "weights": w.grad,
+            "gate_up_proj": experts.gate_up_proj.grad.clone(), "down_proj": experts.down_proj.grad.clone()}
+
+
+def _splits_probe(experts):
+    """m_splits each TE runner received, per call."""
+    seen = []
+    for name in ("te_gate_up", "te_down"):
+        getattr(experts, name).register_forward_pre_hook(lambda mod, args, name=name: seen.append((name, args[1].tolist())))
+    return seen
+
+
+def _experts_case(family, zero_experts=(), recipes=("delayed", "current")) -> dict:
+    """transformers' experts (eager loop, and grouped_mm) vs the TE grouped-GEMM forward, FP8 off and on."""
+    import torch
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.moe_experts import convert_experts
+
+    te = _te()
+    hidden, index, weights = _routing(family, zero_experts)
+    grad = torch.randn(TOKENS, 64, generator=torch.Generator().manual_seed(4))
+    facts = {"counts": torch.bincount(index.reshape(-1), minlength=4).tolist()}
+    model = Z.build(family)
+    experts = _experts_of(model)
+    eager, grouped_mm = _eager(experts), _eager(experts, "grouped_mm")
+    want = _run_experts(eager, hidden, index, weights, grad)
+    facts["vs_grouped_mm_of_transformers"] = _compare(_run_experts(grouped_mm, hidden, index, weights, grad), want)
+    facts["converted"], facts["skipped"] = convert_experts(model, te)
+    seen = _splits_probe(experts)
+    S.te_reset()
+    got = _run_experts(experts, hidden, index, weights, grad, te_autocast(te)(False, _recipe("delayed"), None))
+    facts["fp8_off"] = _compare(got, want)
+    facts["fp8_off_splits"], facts["fp8_off_stats"] = list(seen), S.te_stats()
+    for kind in recipes:
+        seen.clear()
+        experts.zero_grad()
+        S.te_reset()
+        got = _run_experts(experts, hidden, index, weights, grad, te_autocast(te)(True, _recipe(kind), None))
+        facts[f"fp8_{kind}"] = _compare(got, want)
+        facts[f"fp8_{kind}_splits"], facts[f"fp8_{kind}_stats"] = list(seen), S.te_stats()
+        F.reset_te_global_state()
+        if kind == "current":  # stateless scaling: a te.Linear per expert quantizes exactly as the grouped GEMM
+            loop_model = Z.build(family)
+            loop = _te_linear_loop(_experts_of(loop_model), hidden, index, weights, grad,
+                                   te_autocast(te)(True, _recipe(kind), None))
+            facts["fp8_current_vs_te_linear_loop"] = _compare(got, loop)
+            F.reset_te_global_state()
+    experts.zero_grad()
+    return facts
+
+
+def _model_case(family) -> dict:
+    """A whole model, FP8 off: only the experts on TE grouped GEMMs vs plain transformers (eager experts)."""
+    import torch
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.moe_experts import convert_experts
+
+    te = _te()
+    ref, model = Z.build(family), Z.build(family)
+    ref.config._experts_implementation = "eager"
+    convert_experts(model, te)
+    data = Z.batch()
+    ref_loss = ref(**data).loss
+    ref_loss.backward()
+    with te_autocast(te)(False, _recipe("delayed"), None):
+        loss = model(**data).loss
+    loss.backward()
+    grads = dict(ref.named_parameters())
+    unequal = sorted(n for n, p in model.named_parameters() if not torch.equal(p.grad, grads[n].grad))
+    worst = max(float((p.grad - grads[n].grad).abs().max() / grads[n].grad.abs().max().clamp_min(1e-30))
+                for n, p in model.named_parameters())
+    return {"loss": [float(loss), float(ref_loss)], "loss_equal": bool(torch.equal(loss, ref_loss)),
+            "unequal_grads": unequal, "max_grad_rel_error": worst}
+
+
+def _state_dict_case(family) -> dict:
+    """convert_after_sharding (Linear, LayerNorm and the experts): the parameters and state_dict of plain
+    transformers, plus TE's _extra_state."""
+    import torch
+
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+
+    te = _te()
+    plain, model = Z.build(family), Z.build(family)
+    before = {n: id(p) for n, p in model.named_parameters()}
+    report = convert_after_sharding(model, te)
+    sd, ref = model.state_dict(), plain.state_dict()
+    ours = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
+    return {
+        "experts": report.experts, "skipped": dict(report.skipped),
+        "same_keys": sorted(ours) == sorted(ref),
+        "extra_keys": sorted(k for k in sd if k not in ref),
+        "same_shapes_dtypes": all(ours[k].shape == ref[k].shape and ours[k].dtype == ref[k].dtype for k in ref),
+        "same_values": all(torch.equal(ours[k], ref[k]) for k in ref),
+        "same_parameter_objects": {n: id(p) for n, p in model.named_parameters()} == before,
+        "runner_params": sum(len(list(m.parameters())) for n, m in model.named_modules() if n.endswith(("te_gate_up", "te_down"))),
+    }
+
+
+def _coverage_case(family) -> dict:
+    """audit(model).coverage after the prepare-like steps in one process: convert (lm_head included, as FSDP2
+    alone converts it), FP8 state with num_gemms=E, forward wrapped in TE autocast, one FP8 training step."""
+    import torch
+
+    import accel_fp8_fix
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast, wrap_forward
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.internals.transformer_engine import gemms_per_forward
+
+    te = _te()
+    model = Z.build(family)
+    recipe = _recipe("delayed")
+    report = convert_after_sharding(model, te)
+    with torch.no_grad(), te_autocast(te)(True, recipe, None):
+        for module in report.te_modules:
+            module.init_fp8_metadata(num_gemms=gemms_per_forward(module))
+    runner = _experts_of(model).te_gate_up
+    shapes = [list(runner.fp8_meta["scaling_fwd"].amax_history.shape), list(runner.fp8_meta["scaling_bwd"].amax_history.shape)]
+    wrap_forward(model, te, recipe, None, False)
+    model.train()
+    model(**Z.batch()).loss.backward()
+    coverage = accel_fp8_fix.audit(model).coverage
+    F.reset_te_global_state()
+    return {"fp8_param_share": coverage.fp8_param_share, "high_precision": coverage.high_precision,
+            "fp8_params": coverage.fp8_params, "gemm_params": coverage.gemm_params, "meta_shapes": shapes,
+            "meta_shapes_after_forward": [list(runner.fp8_meta["scaling_fwd"].amax_history.shape)],
+            "summary": str(coverage)}
+
+
+def sc_single(rank, world_size, family):
+    """Every one-process check of one family (a fresh process: TE's global state and the shim's stats)."""
+    warnings.simplefilter("ignore")
+    return {"experts": _experts_case(family), "zeros": _experts_case(family, zero_experts=(3,), recipes=("delayed",)),
+            "model": _model_case(family), "state_dict": _state_dict_case(family), "coverage": _coverage_case(family)}
+
+
+def sc_mxfp8_padding(rank, world_size):
+    """MXFP8 (Blackwell, ACCEL_FP8_FIX_CPU_TE_ARCH=sm100): every expert's rows padded to 32."""
+    warnings.simplefilter("ignore")
+    return _experts_case("qwen3_moe", zero_experts=(2,), recipes=("mxfp8",))
+
+
+# -- distributed -------------------------------------------------------------------------------------------
+def _full(tensor):
+    return tensor.full_tensor() if type(tensor).__name__ == "DTensor" else tensor
+
+
+def _expert_grads(model) -> dict:
+    return {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()
+            if p.dim() == 3 and p.grad is not None}
+
+
+def reference(family, fp8, convert, steps=STEPS):
+    """One process, full batch: (losses, grad norms, step-0 expert gradients). ``convert``: the experts (and
+    every Linear but lm_head) on TE, run under TE autocast with FP8 ``fp8``; without it plain transformers
+    (eager experts loop)."""
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+
+    model = Z.build(family)
+    model.config._experts_implementation = "eager"
+    if convert:
+        convert_after_sharding(model, te, exclude=("lm_head",))
+    grads = {}
+    losses, norms = F.train_te_reference(model, _recipe("delayed"), Z.batch(), steps, LR, 1e9, fp8=fp8,
+                                         after_first_backward=lambda m: grads.update(_expert_grads(m)))
+    return losses, norms, grads
+
+
+def _prepared(family, layout):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dp_replicate, dp_shard, tp = LAYOUTS[layout]
+    fsdp = dp_shard is not None
+    extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+             "wrap_cls": [DECODER_LAYER[family]]} if fsdp else {}
+    acc = S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
+                             fp8_recipe=F.RECIPE, expect="FSDP" if fsdp else "MULTI_GPU", **extra)
+    model = Z.build(family)
+    model.config._experts_implementation = "eager"
+    if tp:
+        model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _runner_calls(model) -> list:
+    calls = [0]
+    for name, module in model.named_modules():
+        if name.endswith(("te_gate_up", "te_down")):
+            module.register_forward_pre_hook(lambda mod, args: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True):
+    """Train ``steps`` steps prepared by the package (experts on TE grouped GEMMs): losses, clipped grad norms
+    and step-0 expert gradients vs the one-process references. ``fp8=False``: the same prepared model run with
+    its TE autocast off (eval mode: the wrapped forward turns FP8 off there), against plain transformers."""
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    S.ensure_rehearsal(True)
+    ref = reference(family, fp8=fp8, convert=fp8, steps=steps)
+    if experts:
+        acc, model, opt = _prepared(family, layout)
+    else:  # the experts left to transformers (everything else prepared as usual): what TP alone does
+        from unittest import mock
+
+        with mock.patch("accel_fp8_fix.fixes.te_convert.convert_experts", lambda *a, **k: ([], [])):
+            acc, model, opt = _prepared(family, layout)
+    setup = acc.accel_fp8_fix
+    dp_rank, dp_size = Z._data_rank(acc, layout)
+    per = Z.GLOBAL_BATCH // dp_size
+    data = Z.batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    calls = _runner_calls(model)
+    if not fp8:
+        model.eval()
+    S.te_reset()
+    losses, norms, same, grad_errors = [], [], [], {}
+    for step in range(steps):
+        loss = model(**data).loss
+        acc.backward(loss)
+        if step == 0:
+            grads = _expert_grads(model)
+            step0_grads = {n: g.tolist() for n, g in grads.items()} if layout == "tp" else None
+            grad_errors = {n: float((grads[n] - g).abs().max() / g.abs().max()) if n in grads else None
+                           for n, g in ref[2].items()}
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), 1e9)))
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(float(value) / world_size)
+        same.append(F._all_equal_across_ranks(F.reduced_fp8_state(model)))
+    stats = S.te_stats()
+    import accel_fp8_fix
+
+    coverage = accel_fp8_fix.audit(model, acc).coverage
+    facts = {"experts": setup.conversion.experts, "skipped": dict(setup.conversion.skipped),
+             "losses": losses, "reference": ref[0], "grad_norms": norms, "reference_grad_norms": ref[1],
+             "expert_grad_rel_errors": grad_errors, "fp8_state_identical_every_step": same,
+             "step0_expert_grads": step0_grads,
+             "runner_calls": calls[0], "grouped_gemms": stats.get("grouped_gemms", 0),
+             "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "non_fp8_gemms_fwd": stats["non_fp8_gemms_fwd"],
+             "coverage": coverage.fp8_param_share, "high_precision": coverage.high_precision,
+             "params_are_leaves": all(p.is_leaf for p in model.parameters()),
+             "expert_placements": {n: [str(x) for x in getattr(p, "placements", ())] for n, p in model.named_parameters()
+                                   if n.startswith("model.layers.0.mlp.experts.")},
+             "runner_features": [[m.in_features, m.out_features] for n, m in model.named_modules()
+                                 if n.startswith("model.layers.0.mlp.experts.te_")],
+             "param_names": sorted(n for n, _ in model.named_parameters())}
+    F.reset_te_global_state()
+    return facts
+
+
+def _proportioned_qwen3_moe():
+    """A Qwen3-MoE with a real model's proportions (Qwen3-30B-A3B: 128 experts, top-8, expert MLP 768 of hidden
+    2048; here 32 experts, top-8, expert MLP 32 of hidden 64, a 256-token vocabulary)."""
+    import torch
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=Z.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=4, head_dim=16, num_experts=32, num_experts_per_tok=8,
+                               moe_intermediate_size=32, decoder_sparse_step=1, max_position_embeddings=64,
+                               tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    return tf.Qwen3MoeForCausalLM(config)
+
+
+class GemmFlops:
+    """FLOPs of a step's GEMMs, split FP8 / high precision: TE's GEMMs (``generic_gemm``, each group of
+    ``te_general_grouped_gemm``) from their operands (2 m n k; FP8 when both operands are TE quantized tensors), every
+    other matmul at the dispatcher (aten mm / addmm / bmm / baddbmm / _grouped_mm, e.g. transformers' experts)."""
+
+    MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+
+    def __init__(self):
+        self.fp8 = self.high = 0
+        self._inside_te = 0
+
+    @staticmethod
+    def _rows_cols(t):
+        shape = list(t.size())
+        return (int(torch_prod(shape[:-1])), int(shape[-1])) if len(shape) > 1 else (1, int(shape[0]))
+
+    def _te_flops(self, a, transa, b, transb) -> int:
+        (ar, ac), (br, bc) = self._rows_cols(a), self._rows_cols(b)
+        n, k = (ar, ac) if transa else (ac, ar)
+        m = bc if transb else br
+        return 2 * m * n * k
+
+    def _count_te(self, pairs, transa, transb):
+        for a, b in pairs:
+            flops = self._te_flops(a, transa, b, transb)
+            quantized = all(type(t).__module__.startswith("transformer_engine.") for t in (a, b))
+            if quantized:
+                self.fp8 += flops
+            else:
+                self.high += flops
+
+    def _counting(self, original, pairs_of):
+        def gemm(*args, **kwargs):
+            if not self._inside_te:  # the CPU shim's grouped GEMM calls its generic_gemm per group: counted once
+                self._count_te(pairs_of(args), args[1], args[3])
+            self._inside_te += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside_te -= 1
+        return gemm
+
+    def wrap(self, tex):
+        """Count TE's GEMMs (a grouped GEMM group by group, empty groups skipped); returns the originals."""
+        saved = {"generic_gemm": tex.generic_gemm, "te_general_grouped_gemm": tex.te_general_grouped_gemm}
+        tex.generic_gemm = self._counting(saved["generic_gemm"], lambda args: [(args[0], args[2])])
+        tex.te_general_grouped_gemm = self._counting(
+            saved["te_general_grouped_gemm"],
+            lambda args: [(a, b) for a, b in zip(args[0], args[2]) if torch_prod(a.size()) and torch_prod(b.size())])
+        return saved
+
+    def mode(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Matmuls(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = func.overloadpacket.__name__
+                if not counter._inside_te and name in GemmFlops.MATMULS:
+                    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+                    counter.high += 2 * out.numel() * int(a.shape[-1])
+                return out
+
+        return _Matmuls()
+
+
+def torch_prod(values) -> int:
+    result = 1
+    for v in values:
+        result *= int(v)
+    return result
+
+
+def sc_gemm_share(rank, world_size, experts=True, steps=2):
+    """FP8 share of a training step's GEMM FLOPs on the proportioned Qwen3-MoE prepared by the package under FSDP2
+    (delayed scaling), with the experts on TE grouped GEMMs (``experts=True``) or left to transformers (before this
+    package converted them): FP8 and high-precision GEMM FLOPs of the last step, per rank."""
+    import torch
+
+    import transformer_engine_torch as tex
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=F.RECIPE, wrap_cls=[DECODER_LAYER["qwen3_moe"]])
+    model = _proportioned_qwen3_moe()
+    model.config._experts_implementation = "eager"
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if experts:
+            model, opt = acc.prepare(model, opt)
+        else:
+            from unittest import mock
+
+            with mock.patch("accel_fp8_fix.fixes.te_convert.convert_experts", lambda *a, **k: ([], [])):
+                model, opt = acc.prepare(model, opt)
+    # 8 x 64 tokens a rank: ~128 rows an expert (top-8 of 32), so FP8's padding to 16 rows is a few percent, as
+    # at real batch sizes (a tiny batch would pad most of each expert's GEMM)
+    ids = torch.randint(0, Z.VOCAB, (8, 64), generator=torch.Generator().manual_seed(11 + rank))
+    data = {"input_ids": ids, "labels": ids.clone()}
+    for step in range(steps):
+        counter = GemmFlops()
+        saved = counter.wrap(tex) if step == steps - 1 else None
+        try:
+            with counter.mode() if saved else _nothing():
+                acc.backward(model(**data).loss)
+                opt.step()
+                opt.zero_grad()
+        finally:
+            if saved:
+                tex.generic_gemm, tex.te_general_grouped_gemm = saved["generic_gemm"], saved["te_general_grouped_gemm"]
+    F.reset_te_global_state()
+    return {"fp8_flops": counter.fp8, "high_flops": counter.high, "experts": list(acc.accel_fp8_fix.conversion.experts),
+            "tokens": int(data["input_ids"].numel())}
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def sc_proportioned_coverage(rank, world_size):
+    """The demo line's figure on a Qwen3-MoE with a real model's proportions (``_proportioned_qwen3_moe``),
+    prepared by the package under FSDP2: ``audit(model).coverage`` after one FP8 step, and what the coverage
+    warning at ``prepare`` said."""
+    import torch
+
+    import accel_fp8_fix
+
+    S.ensure_rehearsal(True)
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=F.RECIPE, wrap_cls=[DECODER_LAYER["qwen3_moe"]])
+    model = _proportioned_qwen3_moe()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = acc.prepare(model, opt)
+    per = Z.GLOBAL_BATCH // world_size
+    acc.backward(model(**Z.batch(slice(rank * per, (rank + 1) * per))).loss)
+    coverage = accel_fp8_fix.audit(model, acc).coverage
+    F.reset_te_global_state()
+    return {"coverage": coverage.fp8_param_share, "high_precision": coverage.high_precision,
+            "skipped": dict(acc.accel_fp8_fix.conversion.skipped), "coverage_warnings": [str(w.message) for w in caught if "FP8 covers" in str(w.message)]}
+
+
+def suite(rank, world_size, plan):
+    import sys
+
+    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
+
+
+def launch(plan, world_size, timeout=900.0):
+    return F.launch(plan, world_size, timeout=timeout, suite_fn=suite)
+
+
+def sc_unit(rank, world_size):
+    """Both families' one-process checks in one fresh process."""
+    return {family: sc_single(rank, world_size, family) for family in FAMILIES}
