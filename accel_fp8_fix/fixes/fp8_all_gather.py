@@ -20,7 +20,9 @@ version counter of the DTensor parameter, a load into the local shard that of th
 shard itself, which FSDP2 may replace.) The scale follows TE's
 ``compute_scale_from_amax`` (epsilon and power-of-2 options of the current-scaling recipe; the delayed recipe's
 ``margin``): under the delayed recipe the *weights* are current-scaled (activations and gradients keep delayed
-scaling). MXFP8, NVFP4 and Float8 block scaling are refused by name at ``prepare``.
+scaling). Under Float8 block scaling each 128x128 tile has its own scale: with every shard boundary on a tile
+boundary (checked; refused by name otherwise) the shard is quantized tile by tile and gathered with its scale grid
+— no amax exchange at all. MXFP8 and NVFP4 are refused by name at ``prepare``.
 """
 
 from __future__ import annotations

@@ -243,8 +243,8 @@ def test_block_scaling_gathers_the_whole_weights_tiles_bit_for_bit(run2):
 
 
 def test_block_scaling_bytes_all_reduces_and_numerics(run2):
-    """Bytes: 1 a parameter plus the tile scales (fp32, one per 128x128 tile, padded to 4 a row of tiles) against 4
-    without the switch (fp32 policy); the same all-reduces as without the switch (none added). Numerics: the same
+    """Bytes: 1 a parameter plus the tile scales (fp32, one per 128x128 tile, padded to 4 a row of tiles: < 0.1 %)
+    against 4 without the switch (fp32 policy); the same all-reduces as without the switch (none added). Numerics: the same
     tiles either way (fp32 policy), so losses and clipped grad norms are IDENTICAL to the switch-off run every step,
     and match the one-process reference (step 0 to rounding, later within FP8 resolution)."""
     on, off = _block(run2, "fp8"), _block(run2, "high_precision")
@@ -252,8 +252,10 @@ def test_block_scaling_bytes_all_reduces_and_numerics(run2):
         for s_on, s_off in zip(f_on["per_step"], f_off["per_step"]):
             assert s_off["all_gather_dtypes"] == ["torch.float32"] and s_on["all_gather_dtypes"] == ["torch.uint8"]
             assert s_on["all_gathered_numel"] == s_on["all_gathered_bytes"]
-            extra = s_on["all_gathered_bytes"] - s_off["all_gathered_numel"]  # the tile scales
-            assert f_on["gathered_scale_bytes"] <= extra <= 2 * f_on["gathered_scale_bytes"], (extra, f_on)
+            # the tile scales (+ the alignment padding FSDP2 gives each input of a mixed-dtype all-gather on some
+            # torch releases: 2.11 pads more): a few hundred bytes against ~2.4 M parameters
+            extra = s_on["all_gathered_bytes"] - s_off["all_gathered_numel"]
+            assert f_on["gathered_scale_bytes"] <= extra <= 0.001 * s_off["all_gathered_numel"], (extra, f_on)
             assert s_off["all_gathered_bytes"] == 4 * s_off["all_gathered_numel"]
             assert sorted(s_on["all_reduces"]) == sorted(s_off["all_reduces"])
         assert f_on["losses"] == f_off["losses"] and f_on["grad_norms"] == f_off["grad_norms"]

@@ -134,7 +134,12 @@ def test_save_model_exports_what_plain_transformers_loads(zoo, ckpt_dir):
     (``_extra_state``) or mismatched key, and every weight equal to the trained full weight, dtype included."""
     exports = []
     for family, layout in [(f, "fsdp2_tp") for f in Z.FAMILIES] + [("llama", "fsdp2_tp_loaded")]:
-        assert zoo[(family, layout, "fp8")][0].get("checkpoint_load_error") is None
+        facts = zoo[(family, layout, "fp8")][0]
+        assert facts.get("checkpoint_load_error") is None
+        if family == "qwen3_moe" and S.torch_below(12):  # DTensor < 2.12 cannot gather the TP-packed experts
+            assert "shard_order" in (facts.get("export_error") or ""), facts.get("export_error")
+            continue  # (a torch limitation; the pure-TP case is a strict xfail in test_tp_checkpoint.py)
+        assert facts.get("export_error") is None, facts["export_error"]
         exports.append(os.path.join(ckpt_dir, f"{family}-{layout}-export"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_"))}
     env["ACCEL_FP8_FIX"] = "0"

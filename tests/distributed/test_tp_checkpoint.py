@@ -113,17 +113,10 @@ def test_tp_save_model_is_a_plain_transformers_model_without_fp8_state(two, tag)
     _export_loads_in_plain_transformers(os.path.join(_dir(two), tag))
 
 
-def _torch_below(minor: int) -> bool:
-    import torch
-
-    major, mnr = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, mnr) < (2, minor)
-
-
 # torch 2.11's DTensor cannot gather a `_StridedShard(dim=1, sf=2)` on a 1-D mesh ("use_strided_shard_as_shard_order
 # is True, but placements ... unable to be interpreted into a corresponding shard_order"): Qwen3-MoE's TP-packed
 # experts under pure TP have no full tensor there, so save_model cannot export them (docs/compatibility.md).
-MOE_EXPORT_ON_OLD_TORCH = pytest.mark.xfail(_torch_below(12), strict=True, raises=AssertionError,
+MOE_EXPORT_ON_OLD_TORCH = pytest.mark.xfail(S.torch_below(12), strict=True, raises=AssertionError,
                                             reason="torch < 2.12: DTensor cannot gather TP-packed (_StridedShard) "
                                                    "expert weights on a 1-D mesh")
 

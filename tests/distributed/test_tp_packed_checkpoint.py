@@ -75,8 +75,11 @@ def test_stock_dcp_save_of_a_tp_packed_parameter_fails_with_overlapping_chunks(t
     launched = two if world == 2 else four
     for f in _f(launched, "sc_packed_stock_dcp"):
         assert f["placements"] == (["_S(1, 2)"] if world == 2 else ["S(0)", "_S(1, 2)"]), f
-        assert f["error"] is not None and "overlapping chunks" in f["error"], f["error"]
-        assert f"model.{PACKED} has overlapping chunks" in f["error"], f["error"]
+        # torch >= 2.12 names the parameter whose chunks overlap; torch 2.11's planner only logs the overlap and
+        # raises "Failed to validate global plan"
+        assert f["error"] is not None, f
+        assert (f"model.{PACKED} has overlapping chunks" in f["error"]
+                or "Failed to validate global plan" in f["error"]), f["error"]
 
 
 @pytest.mark.parametrize("world,tag", [(2, "tp2"), (4, "f2tp")])

@@ -5,6 +5,7 @@ tests/distributed/test_moe_fp8.py (Qwen3-MoE and Qwen2-MoE under FSDP2, HSDP and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -66,8 +67,6 @@ def _routing(family, zero_experts=()):
 
 
 def _run_experts(experts, hidden, index, weights, grad, autocast=None):
-    import contextlib
-
     h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
     with autocast if autocast is not None else contextlib.nullcontext():
         out = experts(h, index, w)
@@ -259,7 +258,7 @@ def sc_mxfp8_padding(rank, world_size):
 
 # -- distributed -------------------------------------------------------------------------------------------
 def _full(tensor):
-    return tensor.full_tensor() if type(tensor).__name__ == "DTensor" else tensor
+    return S.full_tensor(tensor)
 
 
 def _expert_grads(model) -> dict:
@@ -492,7 +491,7 @@ def sc_gemm_share(rank, world_size, experts=True, steps=2):
         counter = GemmFlops()
         saved = counter.wrap(tex) if step == steps - 1 else None
         try:
-            with counter.mode() if saved else _nothing():
+            with counter.mode() if saved else contextlib.nullcontext():
                 acc.backward(model(**data).loss)
                 opt.step()
                 opt.zero_grad()
@@ -502,12 +501,6 @@ def sc_gemm_share(rank, world_size, experts=True, steps=2):
     F.reset_te_global_state()
     return {"fp8_flops": counter.fp8, "high_flops": counter.high, "experts": list(acc.accel_fp8_fix.conversion.experts),
             "tokens": int(data["input_ids"].numel())}
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def sc_proportioned_coverage(rank, world_size):

@@ -38,6 +38,44 @@ DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unl
 
 
 # -- process-level helpers --------------------------------------------------------------------------------
+def torch_below(minor: int) -> bool:
+    """The installed torch is older than 2.<minor>."""
+    import torch
+    from packaging.version import Version
+
+    return Version(torch.__version__).release[:2] < (2, minor)
+
+
+def full_tensor(tensor):
+    """The whole tensor of a DTensor (a plain tensor as it is). torch < 2.12 cannot redistribute a TP-packed
+    DTensor (``_StridedShard`` on a 1-D TP mesh: "use_strided_shard_as_shard_order ... unable to be interpreted"):
+    there every rank's local tensor is gathered and placed by the boxes the package describes it with to DCP
+    (fixes/packed_checkpoint.py ``local_boxes``) — so the comparison checks those boxes too."""
+    if type(tensor).__name__ != "DTensor":
+        return tensor
+    try:
+        return tensor.full_tensor()
+    except ValueError as exc:
+        if "shard_order" not in str(exc):
+            raise
+    import torch
+    import torch.distributed as dist
+
+    from accel_fp8_fix.fixes.packed_checkpoint import local_boxes
+
+    boxes = local_boxes(tensor)
+    if boxes is None:
+        raise ValueError(f"no boxes for a DTensor torch cannot gather: {tensor.placements}")
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, (tensor.to_local().detach().cpu(), boxes))
+    out = torch.empty(tensor.shape, dtype=tensor.dtype)
+    for local, rank_boxes in pieces:
+        for offsets, local_offsets, sizes in rank_boxes:
+            out[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = \
+                local[tuple(slice(o, o + n) for o, n in zip(local_offsets, sizes))]
+    return out.to(tensor.to_local().device)
+
+
 def ensure_rehearsal(on: bool = True) -> None:
     """Put the rehearsal gates in the state the scenario expects (activate / deactivate in this process)."""
     from accel_fp8_fix.rehearsal import gates as rehearsal

@@ -104,7 +104,7 @@ def _train(acc, model, opt, first_step, steps, clip=None):
 
 
 def _full(t):
-    return t.full_tensor() if type(t).__name__ == "DTensor" else t
+    return S.full_tensor(t)
 
 
 def full_state(model, opt) -> dict:

@@ -23,8 +23,8 @@ PACKED = "model.layers.0.mlp.experts.gate_up_proj"
 
 
 def _stock_error(exc: BaseException) -> str:
-    text = S.err(exc)
-    at = text.find("overlapping chunks")
+    text = S.err(exc) + "\n" + str(exc)
+    at = max(text.find("overlapping chunks"), text.find("Failed to validate global plan"))
     return text[:300] + (" ... " + text[max(at - 200, 0):at + 300] if at > 300 else "")
 
 
