@@ -5,7 +5,7 @@
 #   - the newest (2.14): the files that reach torch's private internals (FSDP2's all-gather extension and
 #     parameter records, _StridedShard, DCP's per-tensor hooks, DTensor TP), which a new torch moves first.
 # The whole window (every file, every minor) runs with `python scripts/version_matrix.py 2.11 2.12 2.14` at each stop
-# (docs/compatibility.md). Measured on the 2-core machine: ~5-7 min to build a venv; 2.11 ~25 min, 2.14 ~10 min.
+# (docs/compatibility.md). Measured on the 2-core machine: ~3-7 min to build a venv; 2.11 23 min, 2.14 9 min.
 # ACCEL_FP8_FIX_CI_TORCH="2.14" (or any list) runs all of tests/distributed on those releases instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
