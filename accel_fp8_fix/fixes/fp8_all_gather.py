@@ -176,10 +176,13 @@ class _BlockGather:
     name: str
 
     def pre_all_gather(self, local: torch.Tensor, orig_size):
-        bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
-        scale_inv = torch.zeros(self.scale_shape, dtype=torch.float32, device=local.device)
         if local.numel():
             data, sinv = te_internals.block_rowwise(self.quantizer(local.detach()))
+            if data.shape == self.padded_size and tuple(sinv.shape) == self.scale_shape:
+                return (data, sinv), (tuple(orig_size),)  # a full shard: TE's buffers as they are, no copy
+        bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
+        scale_inv = torch.zeros(self.scale_shape, dtype=torch.float32, device=local.device)
+        if local.numel():  # the last rank's short shard: padded with zero rows (dropped after the gather)
             bits[: data.shape[0]].copy_(data)
             scale_inv[: sinv.shape[0]].copy_(sinv)
         return (bits, scale_inv), (tuple(orig_size),)
