@@ -9,7 +9,7 @@ For each torch version: a venv under ``--root`` (default ``.matrix/``, ignored b
 (the registry's builds — CUDA ones run on CPU), then this checkout (editable) with its ``test`` and
 ``rehearsal-dev`` extras and the suite's pins (accelerate, transformers, Transformer Engine; torch held by a
 constraint so no later install moves it). The suite (``tests/distributed`` by default) runs under the
-shared test lock (``$ACCEL_FP8_FIX_TEST_LOCK``, default ``/tmp/accel_fp8_fix.tests.lock``) so gloo ranks
+shared test lock (``$ACCEL_FP8_FIX_TEST_LOCK``, default ``/tmp/accel_fp8_fix.mp.lock``, the one every runner takes) so gloo ranks
 of other jobs never oversubscribe the cores. Each run leaves ``<root>/results/torch-<version>.json`` (and the
 junit XML); the table between the markers of ``docs/compatibility.md`` is rebuilt from every stored result.
 An existing venv whose torch matches is reused. Exit status: non-zero when a suite failed or a build failed.
@@ -35,7 +35,7 @@ DOC = REPO / "docs" / "compatibility.md"
 START, END = "<!-- version-matrix:start -->", "<!-- version-matrix:end -->"
 # The pins the suite is written against (scripts/setup.sh); torch is the only variable here.
 PINS = {"accelerate": "1.15.0", "transformers": "5.24.0", "transformer-engine": "2.20.2"}
-LOCK = os.environ.get("ACCEL_FP8_FIX_TEST_LOCK", "/tmp/accel_fp8_fix.tests.lock")
+LOCK = os.environ.get("ACCEL_FP8_FIX_TEST_LOCK", "/tmp/accel_fp8_fix.mp.lock")
 
 
 def log(msg: str) -> None:

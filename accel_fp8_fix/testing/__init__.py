@@ -97,9 +97,30 @@ def run_distributed(
             "deadline": time.time() + timeout,  # wall clock: the ranks' imports take part of the timeout
         }
         (tmp / "payload.pkl").write_bytes(pickle.dumps(payload))
+        started = time.time()
         procs = _start_ranks(tmp, world_size, env, rank_env)
         timed_out = _wait(procs, timeout)
-        return _collect(procs, tmp, fn.__qualname__, world_size, timeout, timed_out, audit_collectives)
+        try:
+            return _collect(procs, tmp, fn.__qualname__, world_size, timeout, timed_out, audit_collectives)
+        finally:
+            _profile(tmp, f"{module}.{fn.__qualname__}", world_size, started)
+
+
+def _profile(tmp: Path, what: str, world_size: int, started: float) -> None:
+    """With ACCEL_FP8_FIX_TEST_PROFILE=FILE: one JSON line per launch (scripts/suite_profile.py reads them)."""
+    out = os.environ.get("ACCEL_FP8_FIX_TEST_PROFILE")
+    if not out:
+        return
+    import json
+
+    ranks = []
+    for rank in range(world_size):
+        timing = tmp / f"rank{rank}.timing"
+        ranks.append(pickle.loads(timing.read_bytes()) if timing.exists() else None)
+    line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "what": what, "world_size": world_size,
+            "started": started, "ended": time.time(), "ranks": ranks, "pooled": False}
+    with open(out, "a") as fh:
+        fh.write(json.dumps(line) + "\n")
 
 
 def _importable(fn, sys_path) -> tuple[str, list]:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 
 def main(tmp: str, rank: str) -> None:
+    t_main = time.time()
+    imports = _import_timer() if os.environ.get("ACCEL_FP8_FIX_TEST_PROFILE") else None
     tmp_dir = Path(tmp)
     payload = pickle.loads((tmp_dir / "payload.pkl").read_bytes())
     for path in reversed(payload["sys_path"]):
@@ -44,6 +46,8 @@ def main(tmp: str, rank: str) -> None:
             world_size=world_size,
             timeout=timedelta(seconds=payload["collective_timeout"]),
         )
+    t_fn = time.time()
+    imported_before_fn = imports[0] if imports else None
     try:
         result = fn(int(rank), world_size, *payload["args"])
     except BaseException:
@@ -58,13 +62,41 @@ def main(tmp: str, rank: str) -> None:
     if audit is not None:
         watchdog.cancel()
         audit.write_now()
+    t_done = time.time()
     (tmp_dir / f"rank{rank}.result").write_bytes(pickle.dumps(result))
+    if imports is not None:
+        import resource
+        (tmp_dir / f"rank{rank}.timing").write_bytes(pickle.dumps({
+            "main": t_main, "fn": t_fn, "done": t_done, "import_s": imports[0],
+            "import_before_fn_s": imported_before_fn,
+            "cpu_s": resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime}))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank leaves while a peer may still be inside a collective with it
         # Destroy the group before interpreter teardown, as a plain torch script does: a gloo group left alive
         # races Py_FinalizeEx (its worker threads take the GIL while the interpreter finalizes: "terminate
         # called without an active exception", SIGABRT, a finished rank fails; A20, fixes/clean_exit.py).
         dist.destroy_process_group()
+
+
+def _import_timer() -> list:
+    """Seconds spent in outermost imports of modules not yet loaded (profiling only): [total]."""
+    import builtins
+
+    total, depth, original = [0.0], [0], builtins.__import__
+
+    def timed(name, globals=None, locals=None, fromlist=(), level=0):
+        if depth[0] or level or name in sys.modules:
+            return original(name, globals, locals, fromlist, level)
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return original(name, globals, locals, fromlist, level)
+        finally:
+            depth[0] -= 1
+            total[0] += time.perf_counter() - start
+
+    builtins.__import__ = timed
+    return total
 
 
 if __name__ == "__main__":
