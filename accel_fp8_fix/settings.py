@@ -163,6 +163,9 @@ REGISTRY: dict = {s.name: s for s in (
             "destruction (fixes/clean_exit.py)", default="60"),
     Setting("ACCEL_FP8_FIX_EXIT_GRACE", "seconds", "how long the exit handler holds the interpreter for the group's "
             "worker threads (fixes/clean_exit.py)", default="0.2"),
+    Setting("ACCEL_FP8_FIX_TEST_PROFILE", "path", "append one JSON line per multi-process launch (its ranks' start-up, "
+            "scenario and exit times) to this file: scripts/suite_profile.py reads them (docs/testing.md)",
+            owner="testing"),
     Setting("ACCEL_FP8_FIX_COLLECTIVE_AUDIT", "path", "record this process's collectives into this folder for the "
             "cross-rank order check (accel_fp8_fix.testing.collective_order, docs/testing.md)", owner="testing",
             default="off"),

@@ -17,7 +17,32 @@ TESTS = str(Path(__file__).resolve().parent)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "run_last: runs after every other test of the session (pool agreement)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """``run_last`` tests go to the end: they compare what the session's other tests launched."""
+    items[:] = [i for i in items if i.get_closest_marker("run_last") is None] + \
+               [i for i in items if i.get_closest_marker("run_last") is not None]
+
+
 @pytest.fixture(scope="module")
 def ckpt_dir(request, tmp_path_factory):
     """A checkpoint folder shared by the tests of one module (a launch writes, later tests read)."""
     return str(tmp_path_factory.mktemp(f"ckpt-{request.module.__name__.rsplit('.', 1)[-1]}"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The rank pools the session started (tests/support/launcher.py) are closed with it."""
+    from support import launcher
+
+    session.config._accel_fp8_fix_pools = launcher.close_all()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    summary = getattr(config, "_accel_fp8_fix_pools", None)
+    if summary and summary["runs"]:
+        terminalreporter.write_line(
+            f"rank pools: {summary['runs']} launches ({summary['fresh']} in fresh interpreters), {summary['pools']} "
+            f"pools, {summary['starts']} starts, {summary['start_s']:.0f} s starting ranks")

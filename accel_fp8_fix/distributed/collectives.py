@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -129,12 +130,26 @@ def _subgroup_layout(mesh, dim_idx: tuple[int, ...]) -> list[list[int]]:
 
 _cache_lock = threading.Lock()
 _group_cache: dict = {}
+_cache_world = [None]  # weakref to the default group the cached groups belong to
 
 
 def clear_group_cache() -> None:
-    """Forget cached flattened groups (after ``destroy_process_group`` / re-init)."""
+    """Forget cached flattened groups (done by itself when the default group was destroyed and made again)."""
     with _cache_lock:
         _group_cache.clear()
+        _cache_world[0] = None
+
+
+def _cache_for_this_world() -> None:
+    """The cached groups were made over the current default group, or are dropped: after
+    ``destroy_process_group()`` and a new ``init_process_group()`` in one process the new group can even reuse the
+    old one's ``id()``, and a cached subgroup of the destroyed world would hang its first collective."""
+    world = dist.group.WORLD
+    with _cache_lock:
+        owner = _cache_world[0]
+        if owner is None or owner() is not world:
+            _group_cache.clear()
+            _cache_world[0] = weakref.ref(world)
 
 
 def group_of(mesh, dims=None):
@@ -160,7 +175,8 @@ def group_of(mesh, dims=None):
     world = dist.get_world_size()
     if len(subgroups) == 1 and subgroups[0] == list(range(world)):
         return dist.group.WORLD
-    key = (id(dist.group.WORLD), tuple(tuple(g) for g in subgroups), mesh.device_type)
+    _cache_for_this_world()
+    key = (tuple(tuple(g) for g in subgroups), mesh.device_type)
     with _cache_lock:
         cached = _group_cache.get(key)
     if cached is not None:

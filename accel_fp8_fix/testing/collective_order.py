@@ -324,14 +324,25 @@ def _start_recording() -> None:
     import torch.distributed as dist
 
     with _install_lock:
-        if _installed["recorder"] is not None:
-            return
+        if _installed["recorder"] is not None or _installed["dir"] is None:
+            return  # recording already, or stopped (a pooled rank between runs)
         recorder = CollectiveRecorder()
         recorder.__enter__()
         _installed["recorder"] = recorder
     _installed["path"] = Path(_installed["dir"]) / _run_id() / f"rank{dist.get_rank()}.json"
     _installed["world_size"] = dist.get_world_size()
-    atexit.register(lambda: write_now(failed=_exiting_on_exception()))
+    if not _installed.get("atexit"):
+        _installed["atexit"] = True
+        atexit.register(lambda: write_now(failed=_exiting_on_exception()))
+
+
+def stop() -> None:
+    """Stop recording (pooled ranks, after each run): the recorder leaves this thread's dispatch stack and the next
+    ``init_process_group`` starts a new recording, into the folder of the next :func:`install`."""
+    with _install_lock:
+        recorder, _installed["recorder"], _installed["dir"] = _installed["recorder"], None, None
+    if recorder is not None:
+        recorder.__exit__(None, None, None)
 
 
 def write_now(failed: bool = False) -> None:
@@ -340,6 +351,14 @@ def write_now(failed: bool = False) -> None:
     if recorder is not None:
         rank = int(_installed["path"].stem[len("rank"):])
         dump(recorder, _installed["path"], rank, _installed["world_size"], failed=failed)
+
+
+def install_hook() -> None:
+    """Wrap ``init_process_group`` now, recording nothing until :func:`install` names a folder (pooled ranks: the
+    wrapper is part of their start-up state, each run's folder comes with the run)."""
+    import torch.distributed
+
+    _wrap_init(torch.distributed)
 
 
 def install(directory=None) -> None:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from accel_fp8_fix.testing import run_distributed
+from support import launcher
 
 
 def _disagree(rank, world_size):
@@ -21,7 +21,7 @@ def _disagree(rank, world_size):
 
 
 def test_disagreeing_ranks_all_raise_naming_who_chose_what():
-    results = run_distributed(_disagree, 3, timeout=90)
+    results = launcher.run(_disagree, 3, timeout=90)
     for message, elapsed in results:
         assert message is not None
         assert "'accelerate-1.13-1.15' on ranks [0, 2]" in message
@@ -44,7 +44,7 @@ def _silent_rank(rank, world_size):
 
 
 def test_a_rank_that_never_reports_is_named_after_the_deadline_instead_of_hanging():
-    message, elapsed = run_distributed(_silent_rank, 2, timeout=90)[0]
+    message, elapsed = launcher.run(_silent_rank, 2, timeout=90)[0]
     assert "ranks [1] did not report a patch set within 3s" in message
     assert 2.5 < elapsed < 10
 
@@ -59,6 +59,7 @@ def _through_prepare(rank, world_size):
     from accelerate import Accelerator
 
     assert accel_fp8_fix.report().applied
+    original = prepare_fix.calling_patch_set
     if rank == 1:
         prepare_fix.calling_patch_set = lambda: "some-other-set"
     accelerator = Accelerator(cpu=True)
@@ -66,10 +67,12 @@ def _through_prepare(rank, world_size):
         accelerator.prepare(torch.nn.Linear(4, 4))
     except PatchSetMismatchError as exc:
         return str(exc)
+    finally:
+        prepare_fix.calling_patch_set = original
     return "prepared"
 
 
 def test_first_patched_prepare_runs_the_check_on_every_rank():
-    results = run_distributed(_through_prepare, 2, timeout=120)
+    results = launcher.run(_through_prepare, 2, timeout=120)
     for message in results:
         assert "ranks disagree" in message and "'some-other-set' on ranks [1]" in message

@@ -4,7 +4,8 @@ DTensor issue is recorded alike on every rank."""
 
 import pytest
 
-from accel_fp8_fix.testing import DistributedTestError, run_distributed
+from accel_fp8_fix.testing import DistributedTestError
+from support import launcher
 
 
 def _planted(rank, world_size, which):
@@ -61,10 +62,10 @@ def _records(rank, world_size, layout):
 
 def test_a_dtype_mismatch_gloo_completes_fails_the_run_naming_the_collective_and_ranks():
     # gloo alone: the run "passes", rank 1 holding garbage
-    assert run_distributed(_planted, 2, args=("dtype",), timeout=60, audit_collectives=False) == ["torch.float32",
+    assert launcher.run(_planted, 2, args=("dtype",), timeout=60, audit_collectives=False) == ["torch.float32",
                                                                                                    "torch.int32"]
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_planted, 2, args=("dtype",), timeout=60)
+        launcher.run(_planted, 2, args=("dtype",), timeout=60)
     text = str(info.value)
     assert "the ranks' collectives diverge (gloo completed the run; NCCL would hang or corrupt it)" in text
     assert ("group [0, 1]: collective #0 differs between ranks 0 and 1: rank 0 issued all_reduce (c10d.allreduce_) "
@@ -72,15 +73,15 @@ def test_a_dtype_mismatch_gloo_completes_fails_the_run_naming_the_collective_and
 
 
 def test_two_groups_in_opposite_orders_fail_the_run_though_each_group_agrees():
-    assert run_distributed(_planted, 3, args=("order",), timeout=60, audit_collectives=False) == [9.0, 9.0, 9.0]
+    assert launcher.run(_planted, 3, args=("order",), timeout=60, audit_collectives=False) == [9.0, 9.0, 9.0]
     with pytest.raises(DistributedTestError, match=r"ranks 0 and 1 issue their shared groups' collectives in a "
                                                    r"different order \(NCCL deadlocks\): shared collective #0"):
-        run_distributed(_planted, 3, args=("order",), timeout=60)
+        launcher.run(_planted, 3, args=("order",), timeout=60)
 
 
 def test_a_hang_reports_the_divergence_that_caused_it():
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_planted, 2, args=("kind",), timeout=20)
+        launcher.run(_planted, 2, args=("kind",), timeout=20)
     text = str(info.value)
     assert "timed out after 20s" in text
     assert ("collective #1 differs between ranks 0 and 1: rank 0 issued all_reduce (c10d.allreduce_) float32 numel=4"
@@ -88,11 +89,11 @@ def test_a_hang_reports_the_divergence_that_caused_it():
 
 
 def test_dtensor_redistribution_and_fsdp2_collectives_are_recorded_alike_on_every_rank():
-    dtensor = run_distributed(_records, 2, args=("dtensor",), timeout=90)
+    dtensor = launcher.run(_records, 2, args=("dtensor",), timeout=90)
     # full_tensor() is an all-gather issued inside DTensor's dispatch: recorded as the plain-tensor functional op
     assert ("all_gather", (0, 1), "float32", 4) in dtensor[0]
     assert dtensor[0] == dtensor[1]
-    fsdp = run_distributed(_records, 2, args=("fsdp2",), timeout=90)
+    fsdp = launcher.run(_records, 2, args=("fsdp2",), timeout=90)
     kinds = [k for k, *_ in fsdp[0]]
     assert kinds.count("all_gather") >= 2 and kinds.count("reduce_scatter") >= 2, fsdp[0]
     assert fsdp[0] == fsdp[1]

@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from accel_fp8_fix.testing import run_distributed
+from support import launcher
 
 
 SEED_ERRORS = ("does not have a sharding strategy registered", "found no DeviceMesh from dtensor args")
@@ -139,7 +139,7 @@ def two_ranks(rank, world):
 
 
 def test_two_ranks_seed_error_helper_refusals_variable_size_spy():
-    out = run_distributed(two_ranks, 2, timeout=120)
+    out = launcher.run(two_ranks, 2, timeout=120)
     assert any(n in out[0]["seed_error"] for n in SEED_ERRORS)
     for key in ("shard", "plain", "meta", "src"):
         assert out[0][key] == out[1][key] or key == "src"
@@ -209,7 +209,7 @@ def four_ranks(rank, world):
 
 
 def test_four_ranks_2x2_mesh_groups_and_src_translation():
-    msgs = run_distributed(four_ranks, 4, timeout=60)
+    msgs = launcher.run(four_ranks, 4, timeout=60)
     assert all("'w2d'" in m for m in msgs)
 
 

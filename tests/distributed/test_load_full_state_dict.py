@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 import accel_fp8_fix
-from accel_fp8_fix.testing import DistributedTestError, run_distributed
+from accel_fp8_fix.testing import DistributedTestError
+from support import launcher
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -220,7 +221,7 @@ def fsdp_buffers_extra_state(rank, world):
 
 
 def test_a5_fsdp2_buffers_and_extra_state():
-    out = run_distributed(fsdp_buffers_extra_state, 2, timeout=90)
+    out = launcher.run(fsdp_buffers_extra_state, 2, timeout=90)
     for r in out:
         assert "'Tensor' object has no attribute 'device_mesh'" in r["stock"], r["stock"]
         assert r["missing"] and "'down.weight'" in r["missing"] and "missing from rank 0" in r["missing"]
@@ -286,7 +287,7 @@ def tp_sharded_at_load(rank, world):
 
 def test_a6_tp_sharded_params_at_load():
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(tp_sharded_at_load, 2, timeout=90, collective_timeout=20)
+        launcher.run(tp_sharded_at_load, 2, timeout=90, collective_timeout=20)
     # stock: rank 0 broadcast its local shard, the others the global shape — gloo lets it through, NCCL would
     # not: the collective-order audit names it (the first divergence of the group; the fixed path that runs
     # after it in this launch is audited on its own in the 2-D tests below)
@@ -328,7 +329,7 @@ def dp_tp_2d(rank, world):
 
 
 def test_2d_dp_shard_x_tp_four_ranks():
-    out = run_distributed(dp_tp_2d, 4, timeout=120)
+    out = launcher.run(dp_tp_2d, 4, timeout=120)
     placements = out[0]
     assert placements["down.weight"] == ("Shard(dim=0)", "Shard(dim=1)"), placements  # FSDP dim 0, TP rowwise
     assert "StridedShard" in placements["up.weight"][0] and placements["up.weight"][1] == "Shard(dim=0)", placements

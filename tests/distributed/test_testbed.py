@@ -1,10 +1,12 @@
-"""The multi-process test bed fails fast, with every rank's story, on an error or a hang."""
+"""The multi-process test bed fails fast, with every rank's story, on an error or a hang; its rank pools put every
+rank back between runs, and a run that fails or leaves state behind gets new interpreters after it."""
 
 import time
 
 import pytest
 
 from accel_fp8_fix.testing import DistributedTestError, run_distributed
+from accel_fp8_fix.testing.pool import RankPool
 
 
 def _ranks_report(rank, world_size):
@@ -54,3 +56,87 @@ def test_a_hang_is_killed_at_the_deadline_and_says_where_each_rank_waited():
     assert "timed out after 15s" in message
     assert "in _rank_one_hangs" in message  # faulthandler's dump of the waiting frame
     assert time.monotonic() - start < 30
+
+
+# -- rank pools (accel_fp8_fix.testing.pool) -------------------------------------------------------------------
+def _pid_and_state(rank, world_size, set_env=False):
+    """What a pooled run can see of the runs before it: its process, the environment, accelerate's state, the
+    patch set, the collectives recorded for this run."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import accel_fp8_fix
+    from accelerate.state import PartialState
+    from accel_fp8_fix.testing import collective_order
+
+    seen = {"pid": os.getpid(), "leftover_env": os.environ.get("ACCEL_FP8_FIX_TESTBED_PROBE"),
+            "partial_state": bool(PartialState._shared_state), "patch_set": accel_fp8_fix.report().patch_set,
+            "random": float(torch.rand(1)), "recorded_before": len(collective_order._installed["recorder"].records)}
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    seen["sum"] = float(t)
+    if set_env:
+        os.environ["ACCEL_FP8_FIX_TESTBED_PROBE"] = "left by the previous run"
+        PartialState(cpu=True)  # accelerate's singleton, over the run's default group
+    return seen
+
+
+def _leaves_a_patch(rank, world_size):
+    import torch.nn.functional as F
+
+    F.gelu = lambda x: x  # noqa: E731  (never restored: the pool must notice)
+    return rank
+
+
+def _leaves_a_thread(rank, world_size):
+    import threading
+
+    threading.Thread(target=threading.Event().wait, name="left-running", daemon=True).start()
+    return rank
+
+
+def test_a_pool_runs_many_launches_in_the_same_interpreters_each_as_a_fresh_one_would():
+    with RankPool(2, env={"ACCEL_FP8_FIX": "1"}) as pool:
+        first = pool.run(_pid_and_state, args=(True,), timeout=120)
+        second = pool.run(_pid_and_state, timeout=60)
+        assert pool.starts == 1
+    fresh = run_distributed(_pid_and_state, 2, env={"ACCEL_FP8_FIX": "1"}, timeout=120)
+    assert [s["pid"] for s in first] == [s["pid"] for s in second]  # the same processes
+    for before, after, new in zip(first, second, fresh):
+        assert after["sum"] == 3.0 and after["recorded_before"] == 0  # a fresh group, a fresh audit per run
+        assert after["leftover_env"] is None and not after["partial_state"]  # env and accelerate's state put back
+        assert after["patch_set"] == before["patch_set"] == new["patch_set"] == "accelerate-1.13-1.15"  # re-applied
+        assert after["random"] == before["random"] == new["random"]  # torch's RNG reseeded as at start-up
+
+
+def test_a_run_that_leaves_a_patch_or_a_thread_fails_naming_it_and_the_pool_is_rebuilt():
+    with RankPool(2, env={"ACCEL_FP8_FIX": "0"}) as pool:
+        assert pool.run(_ranks_report, timeout=120) == [(0, 2, 3.0), (1, 2, 3.0)]
+        with pytest.raises(DistributedTestError, match=r"rank 0: left state behind: torch\.nn\.functional\.gelu "
+                                                       r"replaced and not restored"):
+            pool.run(_leaves_a_patch, timeout=60)
+        assert pool.run(_ranks_report, timeout=120) == [(0, 2, 3.0), (1, 2, 3.0)]  # new interpreters
+        with pytest.raises(DistributedTestError, match=r"thread 'left-running' \(daemon=True\) still running"):
+            pool.run(_leaves_a_thread, timeout=60)
+        assert pool.run(_ranks_report, timeout=120) == [(0, 2, 3.0), (1, 2, 3.0)]
+        assert pool.starts == 3
+
+
+def test_a_pooled_error_or_hang_fails_fast_with_every_ranks_report_and_the_pool_is_rebuilt():
+    with RankPool(2, env={"ACCEL_FP8_FIX": "0"}) as pool:
+        pool.run(_ranks_report, timeout=120)
+        start = time.monotonic()
+        with pytest.raises(DistributedTestError) as info:
+            pool.run(_rank_one_raises, timeout=120, collective_timeout=60)
+        assert "--- rank 1: ValueError: boom on rank 1 ---" in str(info.value)
+        assert "--- rank 0:" in str(info.value)  # the peer's story too
+        assert time.monotonic() - start < 40
+        start = time.monotonic()
+        with pytest.raises(DistributedTestError) as info:
+            pool.run(_rank_one_hangs, timeout=15, collective_timeout=120)
+        assert "timed out after 15s" in str(info.value) and "in _rank_one_hangs" in str(info.value)
+        assert time.monotonic() - start < 30
+        assert pool.run(_ranks_report, timeout=120) == [(0, 2, 3.0), (1, 2, 3.0)]
+        assert pool.starts == 3

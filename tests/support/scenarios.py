@@ -827,6 +827,43 @@ def run_plan(module, rank, world_size, plan):
     return out
 
 
+def run_entries(rank, world_size, entries):
+    """Run ``entries`` = [(module name, scenario name, kwargs), ...] in order, each as a run of its own on pooled
+    ranks would (tests/support/agreement.py: the fresh-interpreter side): between two entries the ranks leave the
+    default group and put themselves back as a pool's ranks do between runs (accel_fp8_fix.testing.isolation), so
+    an entry sees neither the facts nor the leftovers of the one before. [facts, ...]; what an entry left behind is
+    added to its facts (``left_behind``)."""
+    import importlib
+
+    from accel_fp8_fix.testing import free_port, isolation
+
+    baseline, out = isolation.Baseline.capture(), []
+    for i, (module, name, kwargs) in enumerate(entries):
+        out.append(run_plan(importlib.import_module(module), rank, world_size, [(name, kwargs)])[name])
+        if i + 1 == len(entries):
+            break
+        port = _leave_default_group(rank, free_port)
+        left = baseline.restore(module)
+        if left:
+            out[-1] = {**out[-1], "left_behind": left}
+        if port is not None:
+            os.environ["MASTER_PORT"] = str(port)  # the next entry's accelerate makes its group there
+    return out
+
+
+def _leave_default_group(rank, free_port):
+    """Destroy the default group (every rank together); the port rank 0 chose for the next one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return port[0]
+
+
 def meta_facts() -> dict:
     """Which layers were on in this rank: the fix set, the rehearsal wrappers, TE's Python on CPU."""
     from accel_fp8_fix.rehearsal import gates, te_on_cpu
@@ -881,33 +918,37 @@ def launch(plan, world_size: int, env: dict | None = None, timeout: float = 150.
     the life of the (pytest) process: returns the per-rank dicts of ``suite_fn`` (default: :func:`suite`).
     ``audit_collectives=False`` only for plans that run stock accelerate's failures on purpose (their
     collectives diverge: that is the bug)."""
-    from accel_fp8_fix.testing import run_distributed
+    from support import launcher
 
     suite_fn = suite_fn or suite
     key = (suite_fn.__module__, json.dumps(plan, sort_keys=True), world_size, json.dumps(env or {}, sort_keys=True),
            audit_collectives)
     if key not in _LAUNCHES:
-        _LAUNCHES[key] = run_distributed(
-            suite_fn,
-            world_size,
-            args=(plan,),
-            env=env,
-            init_process_group=False,
-            timeout=timeout,
-            collective_timeout=collective_timeout,
-            audit_collectives=audit_collectives,
-        )
+        from support import agreement
+
+        results = launcher.run(suite_fn, world_size, args=(plan,), env=env, init_process_group=False,
+                               timeout=timeout, collective_timeout=collective_timeout,
+                               audit_collectives=audit_collectives)
+        if any("scenario_error" in (facts or {}) for res in results for facts in res.values()
+               if isinstance(facts, dict)):
+            launcher.retire(world_size, env)  # a scenario raised: its ranks may hold its state, start the next afresh
+        elif launcher.pooled():
+            agreement.record(suite_fn.__module__, plan, world_size, env, audit_collectives, timeout,
+                             collective_timeout, results)
+        _LAUNCHES[key] = results
     return _LAUNCHES[key]
 
 
 def facts_of(results, name):
     """The facts of scenario ``name`` on every rank; fails with the rank's traceback if it raised."""
-    out = []
+    out, errors = [], []
     for rank, res in enumerate(results):
         f = res[name]
         if isinstance(f, dict) and "scenario_error" in f:
-            raise AssertionError(f"scenario {name} raised on rank {rank}: {f['scenario_error']}\n" + "\n".join(f["traceback"]))
+            errors.append(f"--- rank {rank}: {f['scenario_error']}\n" + "\n".join(f["traceback"]))
         out.append(f)
+    if errors:
+        raise AssertionError(f"scenario {name} raised on {len(errors)} of {len(results)} ranks:\n" + "\n".join(errors))
     return out
 
 

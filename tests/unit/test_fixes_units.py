@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from accel_fp8_fix.fixes.fp8_state import find_unregistered_tensors, fp8_state_tensors, register_tensor_state
-from accel_fp8_fix.testing import run_distributed
+from support import launcher
 
 
 class FakeTE(nn.Module):
@@ -119,7 +119,7 @@ def _autocast_wrapper(rank, world_size):
 
 
 def test_autocast_wrapper_honours_train_eval_and_replaces_accelerates_wrapper():
-    (result,) = run_distributed(_autocast_wrapper, 1, timeout=120)
+    (result,) = launcher.run(_autocast_wrapper, 1, timeout=120)
     assert result[False] == (1, 0)  # FP8 in training, high precision in eval (accelerate's default)
     assert result[True] == (1, 1)  # use_autocast_during_eval=True: FP8 in eval too
     assert result["unwrapped_to"] == "method"  # the bound original forward, not accelerate's wrapper
@@ -156,7 +156,7 @@ def _extra_state_after_eval(rank, world_size):
 def test_fp8_state_stays_in_checkpoints_after_an_eval_pass():
     """A19: TE saves its FP8 state only if its last forward ran in FP8; an evaluation pass before save_state
     would write an empty _extra_state (scales and amax histories lost; a sharded load then fails)."""
-    (result,) = run_distributed(_extra_state_after_eval, 1, timeout=120)
+    (result,) = launcher.run(_extra_state_after_eval, 1, timeout=120)
     trained, after_eval, _ = result[False]
     assert trained > 0 and after_eval == 0  # TE's own behaviour: the state is dropped
     trained, after_eval, hooks = result[True]

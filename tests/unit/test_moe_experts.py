@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accel_fp8_fix.testing import run_distributed
+from support import launcher
 from support import moe_scenarios as M
 
 GRAD_NAMES = ("out", "hidden", "weights", "gate_up_proj", "down_proj")
@@ -25,13 +25,13 @@ GRAD_NAMES = ("out", "hidden", "weights", "gate_up_proj", "down_proj")
 
 @pytest.fixture(scope="module")
 def facts():
-    (result,) = run_distributed(M.sc_unit, 1, timeout=600)
+    (result,) = launcher.run(M.sc_unit, 1, timeout=600)
     return result
 
 
 @pytest.fixture(scope="module")
 def mxfp8():
-    (result,) = run_distributed(M.sc_mxfp8_padding, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=600)
+    (result,) = launcher.run(M.sc_mxfp8_padding, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=600)
     return result
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from accel_fp8_fix.rehearsal.te_on_cpu import cuda_as_cpu, target, tex
-from accel_fp8_fix.testing import run_distributed
+from support import launcher
 
 TARGET, ARCH = target.ENV_TARGET, target.ENV_ARCH
 BLOCK_REFUSED = "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
@@ -101,7 +101,7 @@ def _te_answers(rank, world_size):
 
 @pytest.fixture(scope="module")
 def on_targets():
-    return {name: run_distributed(_te_answers, 1, env={TARGET: name, ARCH: ""}, timeout=180)[0]
+    return {name: launcher.run(_te_answers, 1, env={TARGET: name, ARCH: ""}, timeout=180)[0]
             for name in ("h100-cu128", "h200-cu130")}
 
 

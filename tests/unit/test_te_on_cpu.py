@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from accel_fp8_fix.rehearsal.te_on_cpu import tex
-from accel_fp8_fix.testing import run_distributed
+from support import launcher
 
 E4M3, E5M2 = tex.DType.kFloat8E4M3, tex.DType.kFloat8E5M2
 
@@ -247,7 +247,7 @@ def _with_te(rank, world_size):
 
 @pytest.fixture(scope="module")
 def with_te():
-    (result,) = run_distributed(_with_te, 1, timeout=120)
+    (result,) = launcher.run(_with_te, 1, timeout=120)
     return result
 
 

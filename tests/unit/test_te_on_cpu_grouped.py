@@ -18,7 +18,7 @@ import struct
 import pytest
 import torch
 
-from accel_fp8_fix.testing import run_distributed
+from support import launcher
 
 SPLITS = [32, 0, 48, 16]  # tokens per expert, one expert without tokens; multiples of 16 (FP8 GEMM rule)
 SPLITS_MX = [64, 0, 96, 32]  # MXFP8: rows in blocks of 32
@@ -401,13 +401,13 @@ def _on_blackwell(rank, world_size):
 
 @pytest.fixture(scope="module")
 def hopper():
-    (result,) = run_distributed(_on_hopper, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm90"}, timeout=600)
+    (result,) = launcher.run(_on_hopper, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm90"}, timeout=600)
     return result
 
 
 @pytest.fixture(scope="module")
 def blackwell():
-    (result,) = run_distributed(_on_blackwell, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=600)
+    (result,) = launcher.run(_on_blackwell, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=600)
     return result
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from accel_fp8_fix.rehearsal.te_on_cpu import tex
-from accel_fp8_fix.testing import run_distributed
+from support import launcher
 
 E4M3, E5M2 = tex.DType.kFloat8E4M3, tex.DType.kFloat8E5M2
 FLT_MAX = torch.finfo(torch.float32).max
@@ -347,13 +347,13 @@ def _on_ada(rank, world_size):
 
 @pytest.fixture(scope="module")
 def hopper():
-    (result,) = run_distributed(_on_hopper, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm90"}, timeout=180)
+    (result,) = launcher.run(_on_hopper, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm90"}, timeout=180)
     return result
 
 
 @pytest.fixture(scope="module")
 def blackwell():
-    (result,) = run_distributed(_on_blackwell, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=180)
+    (result,) = launcher.run(_on_blackwell, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=180)
     return result
 
 
@@ -369,7 +369,7 @@ def test_nvfp4_on_hopper_is_refused_with_tes_message(hopper):
 
 
 def test_block_scaling_on_ada_is_refused_with_tes_message():
-    (message,) = run_distributed(_on_ada, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm89"}, timeout=180)
+    (message,) = launcher.run(_on_ada, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm89"}, timeout=180)
     assert message == "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
 
 
@@ -587,7 +587,7 @@ def _fast_accum_linear(rank, world_size):
 
 
 def test_te_asks_for_fast_accumulation_in_fprop_only():
-    (result,) = run_distributed(_fast_accum_linear, 1, env={"ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM": "1",
+    (result,) = launcher.run(_fast_accum_linear, 1, env={"ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM": "1",
                                                             "ACCEL_FP8_FIX_CPU_TE_ARCH": "sm90"}, timeout=180)
     # TE's _2X_ACC_FPROP (False) for delayed scaling, Float8CurrentScaling.fp8_gemm_fprop for current scaling;
     # dgrad and wgrad keep split accumulation (_2X_ACC_DGRAD / _2X_ACC_WGRAD, the recipe's MMParams)

@@ -1,0 +1,119 @@
+"""One rank of :class:`accel_fp8_fix.testing.pool.RankPool`
+(``python -m accel_fp8_fix.testing._pool_worker HOST:PORT RANK TOKEN MODULE,MODULE,...``): connect, import, then run tasks until told
+to stop. A task that fails is reported and the rank leaves (the pool is rebuilt)."""
+
+import faulthandler
+import importlib
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+from accel_fp8_fix.testing import isolation
+
+
+def main(address: str, rank: str, token: str, preload: str) -> None:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    conn.send({"token": token, "rank": int(rank), "pid": os.getpid()})
+    try:
+        started = time.perf_counter()
+        for name in filter(None, preload.split(",")):
+            importlib.import_module(name)
+        from accel_fp8_fix.testing import collective_order
+
+        collective_order.install_hook()  # the audit's init_process_group wrapper belongs to the baseline
+        baseline = isolation.Baseline.capture()
+        conn.send({"ready": True, "import_s": time.perf_counter() - started})
+    except BaseException:  # noqa: BLE001  (reported to the pool, which fails its start with this text)
+        traceback.print_exc()
+        conn.send({"ready": False, "error": traceback.format_exc(limit=8)})
+        return
+    while True:
+        task = conn.recv()
+        if task is None:
+            break
+        reply = _run(task, int(rank), baseline)
+        conn.send(reply)
+        if not reply["ok"] or reply.get("left_behind"):
+            _leave()
+    conn.close()
+
+
+def _run(task: dict, rank: int, baseline: "isolation.Baseline") -> dict:
+    started, cpu_started = time.time(), time.process_time()
+    os.environ.update(task["env"])
+    os.environ["MASTER_PORT"] = str(task["port"])
+    for path in reversed(task["sys_path"]):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    faulthandler.dump_traceback_later(max(task["timeout"] - 5, 1), exit=False)
+    # A hang is often a divergence: write what was recorded shortly before the pool kills this rank.
+    watchdog = threading.Timer(max(task["timeout"] - 3, 0.5), _write_audit, args=(task, True))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        fn = importlib.import_module(task["module"])
+        for part in task["qualname"].split("."):
+            fn = getattr(fn, part)
+        if task["audit_dir"]:
+            from accel_fp8_fix.testing import collective_order
+
+            collective_order.install(task["audit_dir"])
+        if task["init_process_group"]:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timedelta(seconds=task["collective_timeout"]))
+        result = pickle.dumps(fn(rank, int(os.environ["WORLD_SIZE"]), *task["args"]))
+        ran = time.time()
+        _end_run(task)
+    except BaseException as exc:  # noqa: BLE001
+        traceback.print_exc()
+        watchdog.cancel()
+        _write_audit(task, failed=True)
+        faulthandler.cancel_dump_traceback_later()
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    watchdog.cancel()
+    watchdog.join()
+    faulthandler.cancel_dump_traceback_later()
+    left = baseline.restore(task["module"])
+    timing = {"run_s": ran - started, "reset_s": time.time() - ran, "cpu_s": time.process_time() - cpu_started}
+    return {"ok": True, "result": result, "left_behind": left, "timing": timing}
+
+
+def _end_run(task: dict) -> None:
+    """Write the audit, then leave the run's groups together: no rank destroys a group a peer still uses."""
+    _write_audit(task)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    if task["audit_dir"]:
+        from accel_fp8_fix.testing import collective_order
+
+        collective_order.stop()
+
+
+def _write_audit(task: dict, failed: bool = False) -> None:
+    if task["audit_dir"] and "accel_fp8_fix.testing.collective_order" in sys.modules:
+        sys.modules["accel_fp8_fix.testing.collective_order"].write_now(failed=failed)
+
+
+def _leave() -> None:
+    """After a failed run: go without interpreter teardown (peers may be gone or stuck with this rank)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

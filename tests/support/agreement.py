@@ -1,0 +1,101 @@
+"""Pooled runs must agree with fresh interpreters: one scenario per test file, rotating, runs again in fresh ranks.
+
+Every pooled launch through ``scenarios.launch`` is recorded here with its results. At the end of the session
+(``tests/distributed/test_pool_agreement.py``, moved last by ``tests/conftest.py``) one launch per test file and one
+scenario of its plan are chosen by the rotation number (``ACCEL_FP8_FIX_TEST_ROTATION``, default: today's date, so
+CI rotates through the plans day by day), and the chosen scenarios run again in fresh interpreters
+(``run_distributed``) — one fresh launch per world size and environment, each chosen scenario first in a fresh
+launch on some day: the rotation also turns the order. Their facts must equal the pooled ones exactly: a scenario
+that depends on what ran before it in the same ranks (state the pool failed to put back) shows here.
+
+Scenarios that read or write a folder (a keyword argument ending in ``dir`` or ``path``: checkpoints written by
+one scenario and read by the next) only mean something in their plan's order and are not chosen.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+
+RECORDS: dict[str, list[dict]] = {}  # test file -> the pooled launches its tests started, in order
+
+
+def current_test_file() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "").split("::", 1)[0] or "(outside a test)"
+
+
+def record(module: str, plan: list, world_size: int, env: dict | None, audit_collectives: bool, timeout: float,
+           collective_timeout: float, results: list) -> None:
+    RECORDS.setdefault(current_test_file(), []).append(
+        {"module": module, "plan": plan, "world_size": world_size, "env": dict(env or {}),
+         "audit": audit_collectives, "timeout": timeout, "collective_timeout": collective_timeout,
+         "results": results})
+
+
+def rotation() -> int:
+    value = os.environ.get("ACCEL_FP8_FIX_TEST_ROTATION", "").strip()
+    return int(value) if value else datetime.date.today().toordinal()
+
+
+def _eligible(plan: list) -> list[int]:
+    return [i for i, (_, kwargs) in enumerate(plan)
+            if not any(k.endswith(("dir", "path")) for k in (kwargs or {}))]
+
+
+def choices(turn: int | None = None) -> list[dict]:
+    """Per test file: the launch and the scenario of its plan this rotation checks."""
+    turn = rotation() if turn is None else turn
+    chosen = []
+    for file, launches in sorted(RECORDS.items()):
+        candidates = [(launch, i) for launch in launches for i in _eligible(launch["plan"])]
+        if not candidates:
+            continue
+        launch, i = candidates[turn % len(candidates)]
+        name, kwargs = launch["plan"][i]
+        chosen.append({"file": file, "launch": launch, "index": i, "name": name, "kwargs": kwargs or {}})
+    return chosen
+
+
+def groups(chosen: list[dict], turn: int | None = None) -> dict[tuple, list[dict]]:
+    """The chosen scenarios by (world size, environment, audit): one fresh launch each, order rotated."""
+    turn = rotation() if turn is None else turn
+    out: dict[tuple, list[dict]] = {}
+    for c in chosen:
+        launch = c["launch"]
+        key = (launch["world_size"], json.dumps(launch["env"], sort_keys=True), launch["audit"])
+        out.setdefault(key, []).append(c)
+    for key, members in out.items():
+        shift = turn % len(members)
+        out[key] = members[shift:] + members[:shift]
+    return out
+
+
+_VOLATILE = re.compile(r"0x[0-9a-f]{6,}|/tmp/[\w./-]+|port \d+|:\d{4,5}\b")
+
+
+def normalized(facts):
+    """Facts with what differs between any two processes taken out (object addresses, temp paths, ports)."""
+    if isinstance(facts, dict):
+        return {k: normalized(v) for k, v in facts.items()}
+    if isinstance(facts, (list, tuple)):
+        return [normalized(v) for v in facts]
+    if isinstance(facts, str):
+        return _VOLATILE.sub("<volatile>", facts)
+    return facts
+
+
+def differences(pooled, fresh, where: str = "") -> list[str]:
+    """Where two facts differ (paths into the dicts), at most a few."""
+    if isinstance(pooled, dict) and isinstance(fresh, dict):
+        out = []
+        for key in sorted(set(pooled) | set(fresh), key=str):
+            if key not in pooled or key not in fresh:
+                out.append(f"{where}.{key}: only in the {'pooled' if key in pooled else 'fresh'} run")
+            else:
+                out.extend(differences(pooled[key], fresh[key], f"{where}.{key}"))
+        return out[:5]
+    if isinstance(pooled, list) and isinstance(fresh, list) and len(pooled) == len(fresh):
+        return [d for i, (a, b) in enumerate(zip(pooled, fresh)) for d in differences(a, b, f"{where}[{i}]")][:5]
+    return [] if pooled == fresh else [f"{where}: pooled {pooled!r:.200} != fresh {fresh!r:.200}"]
