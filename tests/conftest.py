@@ -21,3 +21,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PY
 def ckpt_dir(request, tmp_path_factory):
     """A checkpoint folder shared by the tests of one module (a launch writes, later tests read)."""
     return str(tmp_path_factory.mktemp(f"ckpt-{request.module.__name__.rsplit('.', 1)[-1]}"))
+
+
+@pytest.fixture(scope="session")
+def one_rank(tmp_path_factory):
+    """``one_rank(module, scenario, **kwargs)``: facts of a scenario of the ONE one-rank launch the test files share
+    (tests/support/one_rank.py; launched at the first call); ``one_rank.path(name)``: a folder of its plan."""
+    from support import one_rank as O
+
+    return O.OneRank(str(tmp_path_factory.mktemp("one_rank")))
