@@ -461,22 +461,24 @@ def test_one_rank_bytes_of_the_unsharded_weights(one_rank):
 @pytest.mark.parametrize("modify,mismatched", [("in_place", []), ("data_then_weights_changed", []),
                                                ("data_only", ["blocks.0.fc1"])])
 def test_one_rank_weights_changed_between_steps(one_rank, modify, mismatched):
-    """A user's in-place edit between steps moves the version counters: the next forward recomputes the scales
-    (TE gets the new weight's quantization bit for bit). A ``.data`` write moves none: after weights_changed() it
-    is the same; without it the edited weight keeps the last scale (what docs/fixes.md says is not seen — and what
-    shows the bit check can fail)."""
+    """With no optimizer step, a user's edit between steps is the only change. In place it moves the version
+    counters: the next forward recomputes the scales (TE gets the new weight's quantization bit for bit). A
+    ``.data`` write moves none: after weights_changed() it is the same; without it the last scales stay (what
+    docs/fixes.md says is not seen — and what shows the bit check can fail)."""
     f = _one(one_rank, all_gather="fp8", steps=3, reference=False, bits=True, modify=modify)
     assert f["bits"]["steps"] == 3 and f["bits"]["mismatched"] == mismatched
     assert [s["weight_amax_reductions"] for s in f["per_step"]] == ([1, 1, 1] if modify != "data_only" else [1, 0, 0])
 
 
 def test_one_rank_checkpoints_and_activation_checkpointing_with_the_switch(one_rank, tmp_path):
-    """Llama with transformers' activation checkpointing: save_state, load_state into a differently initialised
-    model, every parameter bit for bit, the loaded model trains; block scaling: saved and loaded digests equal, and
-    the first step after the load gathers the loaded weights' tiles bit for bit."""
-    f = one_rank("fp8_all_gather_scenarios", "sc_llm", family="llama", ckpt_dir=one_rank.path("llm"), grad_ckpt=True)
+    """Llama: save_state, load_state into a differently initialised model, every parameter bit for bit, the loaded
+    model trains; Llama with transformers' activation checkpointing; block scaling: saved and loaded digests equal,
+    and the first step after the load gathers the loaded weights' tiles bit for bit."""
+    f = one_rank("fp8_all_gather_scenarios", "sc_llm", family="llama", ckpt_dir=one_rank.path("llm"))
     _check_llm([f])
     assert f["checkpoint_param_mismatch"] == [] and f["loaded_loss_finite"]
+    f = one_rank("fp8_all_gather_scenarios", "sc_llm", family="llama", grad_ckpt=True)
+    _check_llm([f])  # the recompute gathers again, with the step's scales: one reduction a step
     saved = _one(one_rank, **dict(BLOCK, steps=2), all_gather="fp8", reference=False, save_dir=one_rank.path("block_on"))
     loaded = _one(one_rank, **dict(BLOCK, steps=1), all_gather="fp8", reference=False,
                   load_dir=one_rank.path("block_on"), bits=True)

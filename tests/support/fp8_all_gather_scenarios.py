@@ -177,9 +177,10 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     reductions, the peak bytes of unsharded weights in forward, and what optimizer / checkpoints see; the
     collectives the rank's audit recorder saw inside FSDP2's all-gather hooks; the metadata objects the gathers
     passed. ``bits``: every step, the FP8 tensor each TE Linear receives against TE's quantizer applied to the
-    whole master weight (``full_tensor()``), bytes and scales. ``modify``: between steps, the first block's fc1
-    weight scaled by 1.5 in place (``"in_place"``: autograd's version counter moves) or through ``.data`` followed
-    by ``weights_changed()`` (``"data_then_weights_changed"``)."""
+    whole master weight (``full_tensor()``), bytes and scales. ``modify``: NO optimizer step; instead, between
+    steps, the first block's fc1 weight scaled by 1.5 — in place (``"in_place"``: autograd's version counter
+    moves), through ``.data`` then ``weights_changed()`` (``"data_then_weights_changed"``), or through ``.data``
+    alone (``"data_only"``: no counter moves, nothing else changed: the scales stay the last ones)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -229,7 +230,8 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
             loss = torch.nn.functional.mse_loss(net(x).float(), y)
             acc.backward(loss)
             norms.append(float(acc.clip_grad_norm_(net.parameters(), CLIP)))
-            opt.step()
+            if not modify:  # (with modify, the edit between steps is the only change)
+                opt.step()
             opt.zero_grad()
         gathers = [c for c in spy.calls(layer=None) if "gather" in c.op]
         per_step.append({

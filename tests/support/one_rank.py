@@ -41,8 +41,10 @@ def plan(folder: str) -> list:
               modify="data_then_weights_changed"),
         entry("fp8_all_gather_scenarios", "sc_train", all_gather="fp8", steps=3, reference=False, bits=True,
               modify="data_only"),  # the probe's own check: without weights_changed() the scale is stale
-        # checkpoints with the switch: save, then load into a differently initialised model, bit for bit
-        entry("fp8_all_gather_scenarios", "sc_llm", family="llama", ckpt_dir=os.path.join(folder, "llm"), grad_ckpt=True),
+        # checkpoints with the switch: save, then load into a differently initialised model, bit for bit; Llama with
+        # transformers' activation checkpointing (the recompute through TE's checkpoint)
+        entry("fp8_all_gather_scenarios", "sc_llm", family="llama", ckpt_dir=os.path.join(folder, "llm")),
+        entry("fp8_all_gather_scenarios", "sc_llm", family="llama", grad_ckpt=True),
         entry("fp8_all_gather_scenarios", "sc_train", **dict(AG_BLOCK, steps=2), all_gather="fp8", reference=False,
               save_dir=os.path.join(folder, "block_on")),
         entry("fp8_all_gather_scenarios", "sc_train", **dict(AG_BLOCK, steps=1), all_gather="fp8", reference=False,
