@@ -405,7 +405,7 @@ ONE_RANK_RECIPES = [({"recipe": "delayed"}, CONVERTED_WEIGHTS, "Float8Tensor", A
 def test_one_rank_every_recipe_gives_te_the_whole_weights_quantization_bit_for_bit(one_rank, kwargs, weights,
                                                                                     te_type, steps, gemms):
     f = _one(one_rank, **kwargs, all_gather="fp8", bits=True)
-    assert f["gathered_weights"] == weights and f["te_linear_weight_types"] == [te_type]
+    assert sorted(f["gathered_weights"]) == sorted(weights) and f["te_linear_weight_types"] == [te_type]
     assert f["bits"] == {"compared": sorted(w.rsplit(".", 1)[0] for w in weights), "steps": steps, "mismatched": []}
     assert all(step["all_gathers"] == 0 for step in f["per_step"])  # FSDP2's shortcut: no collective at all
     assert f["collectives_recorded"] > 0 and f["collectives_inside_hooks"] == []
@@ -419,13 +419,16 @@ def test_one_rank_every_recipe_gives_te_the_whole_weights_quantization_bit_for_b
 def test_one_rank_losses_grad_norms_and_the_packed_all_reduce_against_the_reference_and_the_switch_off(
         one_rank, kwargs, steps):
     """One rank holds the whole batch: the one-process reference sees the same activations, so step 0 is exact
-    under every recipe; the switch-off run as at 2 ranks (block scaling: identical every step)."""
+    under every recipe (current scaling too, unlike 2 ranks); the switch-off run as at 2 ranks: within FP8
+    resolution, step 0 identical where both quantize the weight with the same scale (current; block: identical
+    every step — the delayed recipe's switch-off run scales weights from the amax history instead)."""
     on, off = _one(one_rank, **kwargs, all_gather="fp8", bits=True), _one(one_rank, **kwargs, all_gather="high_precision",
                                                                             **({"reference": False} if kwargs.get("recipe") == "current" else {}))
     assert on["losses"][0] == pytest.approx(on["reference"][0], rel=1e-6)
     assert on["losses"] == pytest.approx(on["reference"], rel=1e-2)
     assert on["grad_norms"] == pytest.approx(on["reference_grad_norms"], rel=2e-2)
-    assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-6)
+    if kwargs.get("recipe") != "delayed":
+        assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-6)
     assert on["losses"] == pytest.approx(off["losses"], rel=5e-2)
     assert on["grad_norms"] == pytest.approx(off["grad_norms"], rel=5e-2)
     if kwargs.get("recipe") == "block":  # the same tiles either way, no amax exchange
