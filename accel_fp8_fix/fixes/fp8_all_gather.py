@@ -83,10 +83,13 @@ class _PerTensorGather:
         # Row-wise bytes only. On Hopper dgrad needs the transposed bytes: TE derives them from these in backward
         # (``update_usage(columnwise_usage=True)``) and, for a module under FSDP2, drops them right after the dgrad
         # GEMM (``clear_columnwise_cache``), so they never outlive one module's backward. The tensor's own
-        # ``scale_inv`` is allocated here, once; later gathers copy into it (``refill_float8``).
+        # ``scale_inv`` is allocated here, once, as a normal tensor even under inference_mode (an evaluation first);
+        # later gathers copy into it (``refill_float8``).
         fp8_dtype = self.scales.params.fp8_dtype
         quantizer = self.scales.quantizers[self.index]
-        return te_internals.make_float8(data, scale_inv.clone(), fp8_dtype, param_dtype, quantizer), (gathered,)
+        with torch.inference_mode(False):
+            own_scale_inv = scale_inv.clone()
+        return te_internals.make_float8(data, own_scale_inv, fp8_dtype, param_dtype, quantizer), (gathered,)
 
 
 BLOCK = 128  # Float8BlockScaling's weight tile: 128 x 128

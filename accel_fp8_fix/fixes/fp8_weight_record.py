@@ -154,11 +154,15 @@ class WeightScales:
         return len(self.indices) - 1
 
     def _allocate(self, device) -> None:
+        """Normal tensors even when the first forward runs under ``torch.inference_mode()`` (an evaluation before
+        training): an inference tensor could not be written in place by a later training step's refresh."""
         n = len(self.indices)
-        self.scale = torch.ones(n, dtype=torch.float32, device=device)
-        self.scale_inv = torch.ones(n, dtype=torch.float32, device=device)
-        self.quantizers = [te_internals.float8_quantizer(self.scale[j:j + 1], self.params.fp8_dtype) for j in range(n)]
-        self.scale_inv_views = [self.scale_inv[j:j + 1] for j in range(n)]
+        with torch.inference_mode(False):
+            self.scale = torch.ones(n, dtype=torch.float32, device=device)
+            self.scale_inv = torch.ones(n, dtype=torch.float32, device=device)
+            self.quantizers = [te_internals.float8_quantizer(self.scale[j:j + 1], self.params.fp8_dtype)
+                               for j in range(n)]
+            self.scale_inv_views = [self.scale_inv[j:j + 1] for j in range(n)]
 
     def refresh(self) -> bool:
         """When any weight's shard changed: one packed MAX all-reduce of the shards' amaxes on the amax group, the

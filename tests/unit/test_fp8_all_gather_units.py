@@ -204,7 +204,9 @@ def test_the_scales_are_one_packed_reduction_into_buffers_allocated_once():
     scales = WeightScales(record, None, AG.scale_params(Float8CurrentScaling()))
     for n, t in enumerate(shards):
         scales.add(record.add(f"w{n}", _fake_fsdp_param(8, 16, 1, shard=t, param=t), "per_tensor"))
-    assert scales.refresh() and not scales.refresh()  # unchanged: no reduction
+    with torch.inference_mode():  # a first forward in an evaluation: the buffers are still normal tensors
+        assert scales.refresh()
+    assert not scales.scale.is_inference() and not scales.refresh()  # unchanged: no reduction
     want = AG.scales_from_amaxes(torch.stack([t.abs().amax() for t in shards]), scales.params)
     assert torch.equal(scales.scale, want) and torch.equal(scales.scale_inv, torch.reciprocal(want))
     buffers = (scales.scale.data_ptr(), scales.scale_inv.data_ptr())
