@@ -113,6 +113,8 @@ def test_no_collective_inside_fsdp2s_all_gather_hooks_and_the_metadata_is_alloca
     for i in (0, 2, 4, 15):
         for f in _f(run2, dirs, i):
             assert f["collectives_recorded"] > 0 and f["collectives_inside_hooks"] == [], (i, f["collectives_inside_hooks"])
+            assert f["first_forward_pre_hook"] == "_before_forward"  # in front of FSDP2's root pre-forward
+    assert _f(run2, dirs, 1)[0]["first_forward_pre_hook"] == "FSDPState._pre_forward"  # switch off: FSDP2's first
     for i in (0, 2):
         for f in _f(run2, dirs, i):
             assert f["scale_reductions"] == A.STEPS

@@ -262,6 +262,7 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
         "bits": probe.result() if probe is not None else None,
         "metadata": metadata.result() if metadata is not None else None,
         "collectives_inside_hooks": hooks_audit.inside(),
+        "first_forward_pre_hook": _first_pre_hook(net),
         "collectives_recorded": hooks_audit.recorded(),
         "gathered_scale_bytes": _scale_bytes(net, ag, world_size) if ag is not None else 0,
         "scale_reductions": ag.amax_reductions if ag is not None else 0,
@@ -383,6 +384,14 @@ class _HookAudit:
     def inside(self) -> list:
         records = self.recorder.records[self.start:] if self.recorder is not None else []
         return [f"{r} inside {r.inside}" for r in records if r.inside]
+
+
+def _first_pre_hook(net) -> str:
+    """The name of the function of the prepared model's first forward pre-hook (FSDP2's root pre-forward is a
+    bound ``FSDPState._pre_forward``; the package's refresh a partial of ``_before_forward``)."""
+    hook = next(iter(net._forward_pre_hooks.values()), None)
+    hook = getattr(hook, "func", hook)
+    return getattr(hook, "__qualname__", repr(hook))
 
 
 def _modify_weight(net, ag, how):
