@@ -46,3 +46,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"rank pools: {summary['runs']} launches ({summary['fresh']} in fresh interpreters), {summary['pools']} "
             f"pools, {summary['starts']} starts, {summary['start_s']:.0f} s starting ranks")
+
+
+@pytest.fixture(scope="session")
+def one_rank(tmp_path_factory):
+    """``one_rank(module, scenario, **kwargs)``: facts of a scenario of the ONE one-rank launch the test files share
+    (tests/support/one_rank.py; launched at the first call); ``one_rank.path(name)``: a folder of its plan."""
+    from support import one_rank as O
+
+    return O.OneRank(str(tmp_path_factory.mktemp("one_rank")))

@@ -13,16 +13,18 @@ Drop-in: the parameters (DTensors), the optimizer, the gradients and every check
 the local shard is an *alias* of the same storage whose class adds the two hooks and pickles as a plain tensor.
 
 Scales: per-tensor current scaling of each whole weight. The local amaxes of every converted weight are packed
-into one vector and MAX-reduced on the mesh's amax group in **one** all-reduce per weight update (the shards'
-version counters tell when the optimizer — or a load — changed them), so each rank quantizes its shard with the
-scale of the whole weight (under FSDP2 x TP: the same on every rank of a TP group). (An optimizer step bumps the
-version counter of the DTensor parameter, a load into the local shard that of the shard: both are watched, and the
-shard itself, which FSDP2 may replace.) The scale follows TE's
-``compute_scale_from_amax`` (epsilon and power-of-2 options of the current-scaling recipe; the delayed recipe's
-``margin``): under the delayed recipe the *weights* are current-scaled (activations and gradients keep delayed
-scaling). Under Float8 block scaling each 128x128 tile has its own scale: with every shard boundary on a tile
-boundary (checked; refused by name otherwise) the shard is quantized tile by tile and gathered with its scale grid
-— no amax exchange at all. MXFP8 and NVFP4 are refused by name at ``prepare``.
+into one vector and MAX-reduced on the mesh's amax group in **one** all-reduce per weight update, issued ONCE PER
+STEP OUTSIDE FSDP2's hooks — in a forward pre-hook of the prepared model that runs before FSDP2's root pre-forward
+(before any unshard) — through the package's collectives (fixes/fp8_weight_record.py: the record of the converted
+weights and their shards' stamps, which every optimizer step, load and shard replacement moves). Each rank then
+quantizes its shard with the scale of the whole weight (under FSDP2 x TP: the same on every rank of a TP group);
+the hooks only read buffers allocated once. The scale follows TE's ``compute_scale_from_amax`` (epsilon and
+power-of-2 options of the current-scaling recipe; the delayed recipe's ``margin``): under the delayed recipe the
+*weights* are current-scaled (activations and gradients keep delayed scaling). Under Float8 block scaling each
+128x128 tile has its own scale: with every shard boundary on a tile boundary and every shard whole (checked;
+refused by name otherwise) the shard is quantized tile by tile and gathered with its scale grid — no amax exchange
+at all; over one shard rank (FSDP2 gathers nothing, copying only the first tensor) the grid rides in the metadata.
+MXFP8 and NVFP4 are refused by name at ``prepare``.
 """
 
 from __future__ import annotations
@@ -37,89 +39,10 @@ from .._log import say
 from ..internals import torch_fsdp2
 from ..internals import transformer_engine as te_internals
 from .fp8_all_gather_policy import Fp8AllGatherError, check_request, refusal, requested  # noqa: F401 (re-exported)
+from .fp8_weight_record import FLT_MAX, WeightRecord, WeightScales, scale_params, scales_from_amaxes  # noqa: F401
+from .fp8_weight_record import ScaleParams as _ScaleParams  # noqa: F401 (the name the unit tests use)
 
 logger = logging.getLogger(__name__)
-
-FLT_MAX = 3.4028234663852886e38
-
-
-@dataclass
-class _ScaleParams:
-    fp8_dtype: object
-    fp8_max: float
-    margin: int = 0
-    force_pow_2: bool = False
-    epsilon: float = 0.0
-
-
-def scale_params(recipe) -> _ScaleParams:
-    """The weight-scale settings of ``recipe``: current scaling's ``fp8_quant_fwd_weight`` (power-of-2, epsilon),
-    the delayed recipe's ``margin``."""
-    fp8_dtype = te_internals.fp8_weight_dtype(recipe)
-    params = _ScaleParams(fp8_dtype, te_internals.fp8_max(fp8_dtype))
-    qparams = getattr(recipe, "fp8_quant_fwd_weight", None)
-    if qparams is not None:
-        params.force_pow_2 = bool(getattr(qparams, "power_2_scale", False))
-        params.epsilon = float(getattr(qparams, "amax_epsilon", 0.0))
-    if type(recipe).__name__ == "DelayedScaling":
-        params.margin = int(getattr(recipe, "margin", 0))
-    return params
-
-
-def scales_from_amaxes(amax: torch.Tensor, params: _ScaleParams) -> torch.Tensor:
-    """TE's ``compute_scale_from_amax`` (common/recipe/recipe_common.cuh) over a vector, fp32; a delayed recipe's
-    ``margin`` divides by ``2**margin`` (exact: a power of two)."""
-    amax = amax.float()
-    amax = torch.where(amax < params.epsilon, torch.full_like(amax, params.epsilon), amax)
-    scale = torch.full_like(amax, params.fp8_max) / amax
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
-    if params.margin:
-        scale = torch.ldexp(scale, torch.full_like(scale, -params.margin))
-    bad = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
-    scale = torch.where(bad, torch.ones_like(scale), scale)
-    if params.force_pow_2:
-        scale = (scale.view(torch.int32) & torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32)).view(torch.float32)
-    return scale
-
-
-class WeightScales:
-    """The scale of every converted weight, from ONE packed amax all-reduce per weight update."""
-
-    def __init__(self, group, params: _ScaleParams):
-        self.group, self.params = group, params
-        self.fsdp_params: list = []  # read at each refresh: FSDP2 may replace a parameter's local tensor
-        self.versions = None
-        self.scale = self.scale_inv = None
-        self.reductions = 0  # packed amax all-reduces so far
-
-    def add(self, fsdp_param) -> int:
-        self.fsdp_params.append(fsdp_param)
-        self.versions = None
-        return len(self.fsdp_params) - 1
-
-    def _shards(self) -> list:
-        return [torch_fsdp2.sharded_local_tensor(p) for p in self.fsdp_params]
-
-    def refresh(self) -> None:
-        """Recompute the scales when any shard changed since the last time: the DTensor parameter's version counter
-        (an optimizer step), the local shard's (a load into it) or the shard itself (FSDP2 replaced it)."""
-        shards = self._shards()
-        versions = tuple((id(t), torch_fsdp2.version_of(torch_fsdp2.sharded_param(p)), torch_fsdp2.version_of(t))
-                         for p, t in zip(self.fsdp_params, shards))
-        if versions == self.versions:
-            return
-        device = shards[0].device
-        with torch.no_grad():
-            amax = torch.stack([t.detach().abs().amax().float() if t.numel() else torch.zeros((), device=device)
-                                for t in shards])
-            if self.group is not None:
-                import torch.distributed as dist
-
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-            self.scale = scales_from_amaxes(amax, self.params)
-            self.scale_inv = torch.reciprocal(self.scale)
-        self.reductions += 1
-        self.versions = versions
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -128,24 +51,27 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _PerTensorGather:
-    """One weight under per-tensor scaling (delayed / current recipes): FP8 bits + the whole weight's scale."""
+    """One weight under per-tensor scaling (delayed / current recipes): FP8 bits + the whole weight's scale, read
+    from :class:`WeightScales` (computed before the step's first unshard; nothing computed or allocated here but
+    the all-gather input)."""
     scales: WeightScales
-    index: int
+    index: int  # in ``scales``
+    record_index: int  # in ``scales.record``
     padded_size: torch.Size
     name: str
 
     def pre_all_gather(self, local: torch.Tensor, orig_size):
         scales, i = self.scales, self.index
-        scales.refresh()
-        bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
+        scales.record.check_current(self.record_index)
         if local.numel():
-            quantizer = te_internals.float8_quantizer(scales.scale[i:i + 1].clone(), scales.params.fp8_dtype)
-            quantized = te_internals.quantized_bits(quantizer(local.detach()))
-            if quantized.shape == bits.shape:
-                bits = quantized
-            else:
-                bits[: quantized.shape[0]].copy_(quantized)
-        return (bits,), (scales.scale_inv[i:i + 1].clone(), tuple(orig_size))
+            bits = te_internals.quantized_bits(scales.quantizers[i](local.detach()))
+            if bits.shape != self.padded_size:  # the last rank's short shard: zero rows (dropped after the gather)
+                padded = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
+                padded[: bits.shape[0]].copy_(bits)
+                bits = padded
+        else:
+            bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
+        return (bits,), (scales.scale_inv_views[i], tuple(orig_size))
 
     def post_all_gather(self, outputs, metadata, param_dtype, out):
         (gathered,) = outputs
@@ -156,10 +82,14 @@ class _PerTensorGather:
             return None
         # Row-wise bytes only. On Hopper dgrad needs the transposed bytes: TE derives them from these in backward
         # (``update_usage(columnwise_usage=True)``) and, for a module under FSDP2, drops them right after the dgrad
-        # GEMM (``clear_columnwise_cache``), so they never outlive one module's backward.
+        # GEMM (``clear_columnwise_cache``), so they never outlive one module's backward. The tensor's own
+        # ``scale_inv`` is allocated here, once, as a normal tensor even under inference_mode (an evaluation first);
+        # later gathers copy into it (``refill_float8``).
         fp8_dtype = self.scales.params.fp8_dtype
-        quantizer = te_internals.float8_quantizer(torch.reciprocal(scale_inv), fp8_dtype)
-        return te_internals.make_float8(data, scale_inv, fp8_dtype, param_dtype, quantizer), (gathered,)
+        quantizer = self.scales.quantizers[self.index]
+        with torch.inference_mode(False):
+            own_scale_inv = scale_inv.clone()
+        return te_internals.make_float8(data, own_scale_inv, fp8_dtype, param_dtype, quantizer), (gathered,)
 
 
 BLOCK = 128  # Float8BlockScaling's weight tile: 128 x 128
@@ -168,36 +98,39 @@ BLOCK = 128  # Float8BlockScaling's weight tile: 128 x 128
 @dataclass
 class _BlockGather:
     """One weight under Float8BlockScaling (128x128 tiles, one scale each): every tile lies inside one FSDP2 shard
-    (checked at install), so quantizing each shard tile by tile IS quantizing the whole weight — no amax exchange
-    at all. FSDP2 gathers the row-wise bytes and the shards' scale grids; the grids stack along rows like the data."""
+    and every shard is whole (both checked at install), so quantizing each shard tile by tile IS quantizing the
+    whole weight — no amax exchange at all. Over several shard ranks FSDP2 gathers the row-wise bytes and the
+    shards' scale grids (the grids stack along rows like the data). Over ONE shard rank FSDP2 gathers nothing: its
+    shortcut copies only the first tensor ``fsdp_pre_all_gather`` returns into its output buffer (torch 2.11-2.15
+    ``FSDPParamGroup.wait_for_unshard``), so there the scale grid — already the whole weight's — rides in the
+    metadata, which FSDP2 hands back unchanged on either path."""
     quantizer: object
     padded_size: torch.Size
-    scale_shape: tuple  # of one padded shard: [padded rows / 128, roundup(ceil(cols / 128), 4)]
+    scale_shape: tuple  # of one shard: [rows / 128, roundup(ceil(cols / 128), 4)]
     name: str
+    gather_scales: bool  # False over one shard rank: the scale grid goes in the metadata
 
     def pre_all_gather(self, local: torch.Tensor, orig_size):
-        if local.numel():
-            data, sinv = te_internals.block_rowwise(self.quantizer(local.detach()))
-            if data.shape == self.padded_size and tuple(sinv.shape) == self.scale_shape:
-                return (data, sinv), (tuple(orig_size),)  # a full shard: TE's buffers as they are, no copy
-        bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
-        scale_inv = torch.zeros(self.scale_shape, dtype=torch.float32, device=local.device)
-        if local.numel():  # the last rank's short shard: padded with zero rows (dropped after the gather)
-            bits[: data.shape[0]].copy_(data)
-            scale_inv[: sinv.shape[0]].copy_(sinv)
-        return (bits, scale_inv), (tuple(orig_size),)
+        data, sinv = te_internals.block_rowwise(self.quantizer(local.detach()))  # TE's buffers as they are
+        if data.shape != self.padded_size or tuple(sinv.shape) != self.scale_shape:  # excluded at install
+            raise Fp8AllGatherError(f"accel_fp8_fix: FP8 all-gather of {self.name}: the shard quantized to "
+                                    f"{tuple(data.shape)} / scales {tuple(sinv.shape)}, not {tuple(self.padded_size)} "
+                                    f"/ {self.scale_shape}")
+        if self.gather_scales:
+            return (data, sinv), (tuple(orig_size), None)
+        return (data,), (tuple(orig_size), sinv)
 
     def post_all_gather(self, outputs, metadata, param_dtype, out):
-        gathered, gathered_scale_inv = outputs
-        (orig_size,) = metadata
-        rows = orig_size[0]
-        data, scale_inv = gathered[:rows], gathered_scale_inv[: -(-rows // BLOCK)]  # drop the shards' padding
+        orig_size, scale_inv = metadata
+        gathered = outputs[0]
+        if scale_inv is None:  # gathered with the data: every shard's grid, stacked along rows
+            scale_inv = outputs[1]
+        data, scale_inv = gathered[: orig_size[0]], scale_inv[: -(-orig_size[0] // BLOCK)]
         if out is not None:
             te_internals.refill_float8_blockwise(torch_fsdp2.local_of_unsharded(out), data, scale_inv)
             return None
         quantizer = self.quantizer.copy()
-        return te_internals.make_float8_blockwise(data, scale_inv, param_dtype, quantizer), (gathered,
-                                                                                          gathered_scale_inv)
+        return te_internals.make_float8_blockwise(data, scale_inv, param_dtype, quantizer), tuple(outputs)
 
 
 class Fp8AllGatherShard(torch.Tensor):
@@ -215,6 +148,12 @@ class Fp8AllGatherShard(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return self._accel_fp8_fix_all_gather.post_all_gather(all_gather_outputs, metadata, param_dtype, out)
 
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+        """torch >= 2.15 asks (``FSDPParam._init_extensions``); its default, stated: the FP8 tensor
+        ``fsdp_post_all_gather`` builds is a view of the all-gather outputs, so FSDP2 must keep them until it
+        reshards (releasing them would free the weight's bytes under TE's GEMM)."""
+        return False
+
 
 def _alias(local: torch.Tensor, state) -> "Fp8AllGatherShard":
     shard = local.as_subclass(Fp8AllGatherShard)
@@ -225,13 +164,31 @@ def _alias(local: torch.Tensor, state) -> "Fp8AllGatherShard":
 @dataclass
 class Fp8AllGatherSetup:
     kind: str  # "per_tensor" (delayed / current recipes) or "block" (Float8BlockScaling)
+    record: WeightRecord  # every weight gathered in FP8: its FSDP2 parameter and its shard's stamp
     scales: WeightScales | None  # per_tensor: the packed amax all-reduce; block: None (tile scales are local)
     weights: list = field(default_factory=list)  # qualified names of the weights gathered in FP8
+    hook: object = field(default=None, repr=False)  # the root forward pre-hook's handle
 
     @property
     def amax_reductions(self) -> int:
         """Weight-amax all-reduces so far (block scaling needs none)."""
         return self.scales.reductions if self.scales is not None else 0
+
+    def weights_changed(self) -> None:
+        """Say that weights changed in a way version counters do not see (``p.data.copy_(...)``): the next
+        forward of the prepared model recomputes the scales."""
+        self.record.invalidate()
+
+    def before_forward(self, model) -> None:
+        """The prepared (root) model's forward pre-hook, before FSDP2's: FSDP2's lazy init first (it may replace
+        shards), then the step's scales — the one collective, issued here, on the default stream."""
+        torch_fsdp2.lazy_init(model)
+        if self.scales is not None and self.scales.refresh():
+            torch_fsdp2.extend_post_optim_event(model)  # FSDP2's all-gather streams wait on our kernels too
+
+
+def _before_forward(setup, module, args):
+    setup.before_forward(module)
 
 
 def _chosen_weights(model, te_modules) -> list:
@@ -245,14 +202,20 @@ def _chosen_weights(model, te_modules) -> list:
 
 
 def _block_misaligned(name: str, fsdp_param) -> str | None:
-    """Why this weight's 128x128 tiles would cross an FSDP2 shard boundary (None: they do not)."""
+    """Why this weight's shards cannot carry whole 128x128 tiles (None: they can)."""
     world = torch_fsdp2.shard_world_size(fsdp_param)
     rows = torch_fsdp2.padded_shard_size(fsdp_param)[0]
-    if world == 1 or rows % BLOCK == 0:
-        return None
     full = torch_fsdp2.sharded_param(fsdp_param).shape[0]
-    return (f"{name}: {full} rows sharded over {world} ranks is {rows} rows a shard, not a multiple of {BLOCK}, so "
-            f"128x128 tiles would cross shard boundaries")
+    if world == 1:
+        return None
+    if rows % BLOCK:
+        return (f"{name}: {full} rows sharded over {world} ranks is {rows} rows a shard, not a multiple of {BLOCK}, "
+                "so 128x128 tiles would cross shard boundaries")
+    if full != rows * world:  # FSDPParam.all_gather_inputs: on an uneven shard every input must be padded-size
+        return (f"{name}: {full} rows sharded over {world} ranks is uneven (shards of {rows} rows, the last ones "
+                f"shorter): FSDP2 requires every all-gather input of an unevenly sharded parameter to have the "
+                f"padded shard's size, and the tile scales are a second input of another size")
+    return None
 
 
 def _problems(chosen, kind: str) -> list:
@@ -275,17 +238,23 @@ def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
         raise Fp8AllGatherError("accel_fp8_fix: the FP8 all-gather cannot run on " + "; ".join(problems) + (
             ". Shard over fewer ranks, or remove the setting (ACCELERATE_FP8_ALL_GATHER / fp8_config all_gather)"
             if kind == "block" else ""))
-    setup = Fp8AllGatherSetup(kind, WeightScales(group, scale_params(recipe)) if kind == "per_tensor" else None)
+    record = WeightRecord()
+    scales = WeightScales(record, group, scale_params(recipe)) if kind == "per_tensor" else None
+    setup = Fp8AllGatherSetup(kind, record, scales)
     for name, fsdp_param in chosen:
+        setup.weights.append(name)
+        record_index = record.add(name, fsdp_param, kind)
         padded = torch_fsdp2.padded_shard_size(fsdp_param)
         if kind == "block":
             quantizer = te_internals.float8_block_weight_quantizer(recipe)
-            state = _BlockGather(quantizer, padded, te_internals.block_scale_shape(quantizer, *padded), name)
+            state = _BlockGather(quantizer, padded, te_internals.block_scale_shape(quantizer, *padded), name,
+                                 gather_scales=torch_fsdp2.shard_world_size(fsdp_param) > 1)
         else:
-            state = _PerTensorGather(setup.scales, setup.scales.add(fsdp_param), padded, name)
+            state = _PerTensorGather(scales, scales.add(record_index), record_index, padded, name)
         torch_fsdp2.install_extension(fsdp_param, functools.partial(_alias, state=state))
-        setup.weights.append(name)
+    # before FSDP2's own root pre-forward hook (registered with prepend=True at fully_shard): before any unshard
+    setup.hook = model.register_forward_pre_hook(functools.partial(_before_forward, setup), prepend=True)
     how = ("128x128 tile scales computed on each shard, no amax exchange" if kind == "block"
-           else "scales from one packed amax all-reduce per weight update")
+           else "scales from one packed amax all-reduce per weight update, before the step's first unshard")
     say(logger, logging.INFO, f"accel_fp8_fix: FP8 all-gather on {len(setup.weights)} weight(s); {how}")
     return setup

@@ -31,6 +31,14 @@ FP8_ALL_GATHER_SOURCES = (
     ("_fsdp_param.py", "self.padded_sharded_param_size"),
     ("_fsdp_param_group.py", "fsdp_param.reset_sharded_param()"),
     ("_fsdp_common.py", "self.shard_mesh_size"),
+    # the scales are computed in a forward pre-hook of the root placed before FSDP2's own, which runs its lazy
+    # init first (it may replace shards) and, on a user's post-optimizer event, extends that event
+    ("_fsdp_state.py", "def _lazy_init("),
+    ("_fsdp_state.py", "if self._is_root is not None:"),
+    ("_fsdp_state.py", "post_optim_event"),
+    ("_fsdp_state.py", "self._pre_forward, prepend=True"),
+    # one shard rank: FSDP2 copies only the first all-gather input (the block scale grid rides in the metadata)
+    ("_fsdp_param_group.py", "all_gather_input = fsdp_param.all_gather_inputs[0]"),
 )
 
 
@@ -120,7 +128,17 @@ def install_extension(fsdp_param, alias) -> None:
     FSDP2 gathers from, and re-run what FSDP2 does at construction for an extension. FSDP2 may replace the local
     tensor later — ``reset_sharded_param`` at its lazy init (e.g. when a loader replaced the shard's storage after
     ``fully_shard``: transformers' ``DistributedConfig`` loading) or after ``model.to()`` — so this parameter's
-    ``reset_sharded_param`` re-applies the alias after FSDP2's own."""
+    ``reset_sharded_param`` re-applies the alias after FSDP2's own.
+
+    What FSDP2 keeps per extension, torch 2.11-2.15 (``FSDPParam._init_extensions``, re-run here at install and
+    at every re-install, as FSDP2's own group ``lazy_init`` does after ``reset_sharded_param``): a fresh
+    ``_extensions_data`` (the metadata between the two hooks) and ``_unsharded_inner_tensors = []`` (the tensors
+    ``fsdp_post_all_gather`` returned, freed and re-allocated with the unsharded parameter: here the all-gather
+    outputs themselves, which FSDP2 frees anyway, so a re-install after a gather loses nothing); torch 2.15 also
+    sets ``_release_all_gather_outputs_after_post_all_gather`` from the class's
+    ``fsdp_should_release_all_gather_outputs_after_post_all_gather`` (ours: False, stated). ``all_gather_outputs``
+    is emptied once, at install (FSDP2 sizes it at the first gather from the inputs' numels and dtypes: uint8
+    now), never at a re-install (the unsharded parameter may view it)."""
     cls = None
 
     def apply():
@@ -142,6 +160,26 @@ def install_extension(fsdp_param, alias) -> None:
     fsdp_param.all_gather_outputs = []
     apply()
 
+
+def lazy_init(model) -> None:
+    """FSDP2's lazy init of the root ``model`` (what its root pre-forward does first; a no-op once done): it
+    decides the root and may replace local shards (``reset_sharded_param``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()
+
+
+def extend_post_optim_event(model) -> None:
+    """When the user gave FSDP2 a post-optimizer event (``FSDPModule.set_post_optim_event``), its root waits its
+    all-gather streams on that event instead of on the whole default stream: record it again after the work just
+    enqueued (the weight scales), so the all-gathers' copy-in reads them finished. A no-op otherwise (and on CPU)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        event = model._get_fsdp_state()._state_ctx.post_optim_event
+        if event is not None:
+            event.record()
 
 
 def local_of_unsharded(param):

@@ -308,6 +308,11 @@ def quantized_bits(tensor):
     return tensor._data
 
 
+def float8_rowwise(tensor):
+    """(uint8 row-wise data, fp32 scale_inv) of a TE ``Float8Tensor``."""
+    return tensor._data, tensor._scale_inv
+
+
 def make_float8(data, scale_inv, fp8_dtype, dtype, quantizer):
     """A TE ``Float8Tensor`` (nominal ``dtype``) on the uint8 ``data`` with ``scale_inv`` — what TE's own
     ``fsdp_post_all_gather`` builds from a gathered weight."""

@@ -30,6 +30,8 @@ from pathlib import Path
 
 __all__ = ["run_distributed", "DistributedTestError", "free_port"]
 
+HOOK_PROBLEM = "inside FSDP2's all-gather extension hooks"  # collective_order.inside_extension_hooks's words
+
 
 class DistributedTestError(AssertionError):
     """One or more ranks failed or hung, or their collectives diverged; the message holds every rank's report.
@@ -210,7 +212,9 @@ def _collect(procs, tmp: Path, qualname: str, world_size: int, timeout: float, t
             reports.append("collective order (as far as the ranks recorded it):\n  " + "\n  ".join(divergences))
         raise DistributedTestError(head + "\n" + "\n".join(reports), divergences)
     if divergences:
+        what = ("the ranks' collectives diverge" if any(HOOK_PROBLEM not in d for d in divergences)
+                else "collectives were issued inside FSDP2's all-gather extension hooks")
         raise DistributedTestError(
-            f"{qualname} on {world_size} ranks: the ranks' collectives diverge (gloo completed the run; NCCL "
-            "would hang or corrupt it):\n  " + "\n  ".join(divergences), divergences, results)
+            f"{qualname} on {world_size} ranks: {what} (gloo completed the run; NCCL would hang or corrupt it):\n  "
+            + "\n  ".join(divergences), divergences, results)
     return results

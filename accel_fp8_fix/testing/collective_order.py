@@ -8,7 +8,12 @@ functional ``_c10d_functional::*`` ops that FSDP2 and DTensor issue), then compa
 * per process group: every member rank must issue the same collectives (kind, dtype, element count) in the
   same order — else :func:`check` names the first divergent collective and the ranks;
 * per pair of ranks: the collectives on all groups the two share must interleave in the same order (two
-  groups used in opposite orders by two ranks deadlock NCCL even when each group's own sequence matches).
+  groups used in opposite orders by two ranks deadlock NCCL even when each group's own sequence matches);
+* none inside FSDP2's all-gather extension hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` of a tensor
+  subclass — this package's FP8 shard, TE's quantized tensors, torchao's): FSDP2 runs them during an unshard, the
+  pre-hook on its all-gather copy-in stream, and gathers on its own communicator right after; a collective issued
+  there runs on that side stream and between FSDP2's own (NCCL: a hang or a race gloo completes). Each collective
+  records the hook it was issued in (found on the Python stack when it reaches the dispatcher).
 
 Use it three ways:
 
@@ -42,7 +47,8 @@ from pathlib import Path
 
 ENV_DIR = "ACCEL_FP8_FIX_COLLECTIVE_AUDIT"
 
-__all__ = ["CollectiveRecorder", "Collective", "check", "check_dir", "install", "load_dir", "ENV_DIR"]
+__all__ = ["CollectiveRecorder", "Collective", "check", "check_dir", "inside_extension_hooks", "install", "load_dir",
+           "ENV_DIR", "EXTENSION_HOOKS"]
 
 # dispatcher op base name -> (kind, the schema argument holding this rank's input, compare counts?)
 _KINDS = {
@@ -88,6 +94,7 @@ class Collective:
     dtype: str | None
     numel: int | None
     group_name: str = ""  # c10d's name: two groups of the same ranks are two communicators under NCCL
+    inside: str = ""  # the FSDP2 all-gather extension hook it was issued in ("": none)
 
     def key(self) -> tuple:
         """What must agree across ranks (the op spelling may differ: Python API vs functional)."""
@@ -100,6 +107,20 @@ class Collective:
     def __str__(self) -> str:
         size = "" if self.numel is None else f" numel={self.numel}"
         return f"{self.kind} ({self.op}) {self.dtype}{size} on group {list(self.group)}"
+
+
+EXTENSION_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def _extension_hook_on_stack() -> str:
+    """The FSDP2 all-gather extension hook (a method of that name) this thread is inside right now, or "" — read
+    from the Python stack, only when a collective is recorded (a few per step)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in EXTENSION_HOOKS:
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return ""
 
 
 def _tensors(obj, out: list) -> list:
@@ -158,7 +179,7 @@ def _describe(func, args, kwargs) -> Collective | None:
     dtype = str(payload[0].dtype).replace("torch.", "") if payload else None
     numel = sum(t.numel() for t in payload) if payload else None
     return Collective(kind=kind, op=f"{namespace}.{base}", group=group[0], dtype=dtype, numel=numel,
-                      group_name=group[1])
+                      group_name=group[1], inside=_extension_hook_on_stack())
 
 
 def _recorder_base():
@@ -225,9 +246,22 @@ def _at(seq: list[Collective], i: int) -> str:
     return str(seq[i]) if i < len(seq) else f"nothing (it issued {len(seq)} on this group)"
 
 
-def check(sequences: dict[int, list[Collective]]) -> list[str]:
-    """The divergences between ranks' collective sequences (empty: every group agrees). ``sequences`` maps
-    each rank to what it recorded, in program order."""
+def inside_extension_hooks(sequences: dict[int, list[Collective]]) -> list[str]:
+    """One problem per rank that issued collectives inside FSDP2's all-gather extension hooks (the first one named,
+    with how many in all)."""
+    problems = []
+    for rank in sorted(sequences):
+        inside = [r for r in sequences[rank] if r.inside]
+        if inside:
+            problems.append(
+                f"rank {rank} issued {len(inside)} collective(s) inside FSDP2's all-gather extension hooks, the first "
+                f"{inside[0]} inside {inside[0].inside} (FSDP2 runs it during an unshard — on a GPU on its all-gather "
+                "copy-in stream — and gathers on its own communicator right after: issue it before the unshard)")
+    return problems
+
+
+def _group_divergences(sequences: dict[int, list[Collective]]) -> list[str]:
+    """Per communicator: the first collective its member ranks disagree on (kind, dtype, count, order)."""
     problems: list[str] = []
     by_rank_group = {rank: _per_group(seq) for rank, seq in sequences.items()}
     groups = sorted({g for per in by_rank_group.values() for g in per})
@@ -248,9 +282,12 @@ def check(sequences: dict[int, list[Collective]]) -> list[str]:
                     f"rank {first} issued {_at(ref, i)}; rank {other} issued {_at(seq, i)}"
                 )
                 break
-    if problems:
-        return problems
-    # Every group agrees; now the order across groups, for each pair of ranks.
+    return problems
+
+
+def _pair_order_divergences(sequences: dict[int, list[Collective]]) -> list[str]:
+    """Per pair of ranks: the first collective of their shared groups they issue in a different order."""
+    problems = []
     for a, b in combinations(sorted(sequences), 2):
         sa = [r for r in sequences[a] if b in r.group]
         sb = [r for r in sequences[b] if a in r.group]
@@ -261,6 +298,13 @@ def check(sequences: dict[int, list[Collective]]) -> list[str]:
                 f"shared collective #{i}: rank {a} issued {_at(sa, i)}; rank {b} issued {_at(sb, i)}"
             )
     return problems
+
+
+def check(sequences: dict[int, list[Collective]]) -> list[str]:
+    """The collectives issued inside FSDP2's all-gather extension hooks and the divergences between ranks'
+    collective sequences (empty: none, and every group agrees). ``sequences`` maps each rank to what it recorded,
+    in program order."""
+    return inside_extension_hooks(sequences) + (_group_divergences(sequences) or _pair_order_divergences(sequences))
 
 
 # -- launched jobs: one file per rank -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The collective-order audit of the test bed (accel_fp8_fix.testing.collective_order): planted divergences — ones
-gloo completes and NCCL would hang on or corrupt, and one gloo hangs on too — fail the run by name; what FSDP2 and
-DTensor issue is recorded alike on every rank."""
+gloo completes and NCCL would hang on or corrupt, and one gloo hangs on too — and a collective planted inside
+FSDP2's all-gather extension hook fail the run by name; what FSDP2 and DTensor issue is recorded alike on every
+rank."""
 
 import pytest
 
@@ -30,6 +31,38 @@ def _planted(rank, world_size, which):
         dist.all_reduce(t) if rank == 0 else dist.broadcast(t, src=0)
         return True
     raise ValueError(which)
+
+
+def _in_hook(rank, world_size):
+    """FSDP2 with an all-gather extension whose fsdp_pre_all_gather all-reduces (through the package's collectives,
+    as the FP8 all-gather's weight amax once did): the ranks agree, gloo completes; on a GPU it would run on FSDP2's
+    copy-in stream, between FSDP2's own collectives."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from accel_fp8_fix.distributed import collectives
+
+    class Extended(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+            collectives.all_reduce(torch.ones(3), group=dist.group.WORLD, name="planted in the hook")
+            return (self.as_subclass(torch.Tensor),), None
+
+        def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+            if out is not None:
+                return None
+            return outputs[0], outputs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6, bias=False), torch.nn.Linear(6, 2, bias=False))
+    fully_shard(model[0], mesh=init_device_mesh("cpu", (world_size,)))
+    for fsdp_param in model[0]._get_fsdp_state()._fsdp_param_group.fsdp_params:
+        fsdp_param.sharded_param._local_tensor = fsdp_param.sharded_param._local_tensor.as_subclass(Extended)
+        fsdp_param._init_extensions()
+    return float(model(torch.ones(3, 6)).sum())
 
 
 def _records(rank, world_size, layout):
@@ -86,6 +119,17 @@ def test_a_hang_reports_the_divergence_that_caused_it():
     assert "timed out after 20s" in text
     assert ("collective #1 differs between ranks 0 and 1: rank 0 issued all_reduce (c10d.allreduce_) float32 numel=4"
             " on group [0, 1]; rank 1 issued broadcast (c10d.broadcast_) float32 numel=4") in text
+
+
+def test_a_collective_inside_fsdp2s_all_gather_extension_hook_fails_the_run_by_name():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_in_hook, 2, timeout=60)
+    text = str(info.value)
+    assert "collectives were issued inside FSDP2's all-gather extension hooks (gloo completed the run" in text
+    for rank in (0, 1):
+        assert (f"rank {rank} issued 1 collective(s) inside FSDP2's all-gather extension hooks, the first all_reduce "
+                "(c10d.allreduce_) float32 numel=3 on group [0, 1] inside fsdp_pre_all_gather") in text
+    assert info.value.results is not None and len(info.value.results) == 2  # it completed: only the audit objects
 
 
 def test_dtensor_redistribution_and_fsdp2_collectives_are_recorded_alike_on_every_rank():

@@ -1,7 +1,8 @@
 """FP8 all-gather under FSDP2 (issue 21; fixes/fp8_all_gather.py): weights gathered as FP8 + scale, masters,
 optimizer and checkpoints unchanged, one packed weight-amax all-reduce per step. CPU, gloo, TE's real Python.
 
-Scenarios: tests/support/fp8_all_gather_scenarios.py; one 2-rank launch, one 4-rank launch.
+Scenarios: tests/support/fp8_all_gather_scenarios.py; one 2-rank launch, one 4-rank launch, and the one-rank
+launch the test files share (tests/support/one_rank.py: FSDP2 over one rank takes torch's world-size-1 paths).
 """
 
 import os
@@ -22,15 +23,16 @@ def dirs(tmp_path_factory):
 
 
 BLOCK = {"recipe": "block", "model": "linear_stack", "dim": 256, "out": 256, "steps": 3}
+BLOCK_ON = dict(BLOCK, all_gather="fp8", bits=True)
 BLOCK_WEIGHTS = ["blocks.0.fc1.weight", "blocks.0.fc2.weight", "blocks.1.fc1.weight", "blocks.1.fc2.weight",
                  "head.weight"]
 
 
 def _plan2(d):
     return [
-        ("sc_train", {"all_gather": "fp8", "recipe": "delayed"}),
+        ("sc_train", {"all_gather": "fp8", "recipe": "delayed", "bits": True}),
         ("sc_train", {"all_gather": "high_precision", "recipe": "delayed"}),
-        ("sc_train", {"all_gather": "fp8", "recipe": "current"}),
+        ("sc_train", {"all_gather": "fp8", "recipe": "current", "bits": True}),
         ("sc_train", {"all_gather": "high_precision", "recipe": "current", "reference": False}),
         ("sc_train", {"all_gather": "fp8", "reshard": False, "steps": 3}),
         ("sc_train", {"all_gather": "fp8", "policy": "bf16", "steps": 2, "reference": False}),
@@ -42,12 +44,12 @@ def _plan2(d):
         ("sc_train", {"all_gather": "fp8", "steps": 2, "reference": False, "save_dir": d["on"]}),
         ("sc_train", {"all_gather": "high_precision", "steps": 2, "reference": False, "load_dir": d["on"],
                       "save_dir": d["off"]}),
-        ("sc_train", {"all_gather": "fp8", "steps": 1, "reference": False, "load_dir": d["off"]}),
+        ("sc_train", {"all_gather": "fp8", "steps": 1, "reference": False, "load_dir": d["off"], "bits": True}),
         ("sc_train", {"all_gather": "fp8", "steps": 0, "reference": False, "save_dir": d["fresh_on"]}),
         ("sc_train", {"all_gather": "high_precision", "steps": 0, "reference": False, "save_dir": d["fresh_off"]}),
         ("sc_bad_input", {"case": "no_fsdp2"}),
         # Float8BlockScaling: dim 256 on 2 ranks, every shard a whole number of 128-row tiles; fp32 policy
-        ("sc_train", dict(BLOCK, all_gather="fp8")),
+        ("sc_train", BLOCK_ON),
         ("sc_train", dict(BLOCK, all_gather="high_precision")),
         ("sc_bad_input", {"case": "block_misaligned"}),
         ("sc_bad_input", {"case": "block_1d"}),
@@ -90,6 +92,34 @@ def test_one_packed_weight_amax_all_reduce_per_step(run2, dirs):
                 if n in extra:
                     extra.remove(n)
             assert extra == [len(CONVERTED_WEIGHTS)], (s_on["all_reduces"], s_off["all_reduces"])
+
+
+def test_te_gets_the_whole_weights_quantization_bit_for_bit_every_step(run2, dirs):
+    """Per-tensor recipes: the Float8Tensor each TE Linear receives (gathered shards + the packed all-reduce's
+    scale) has exactly the bytes and scale_inv of TE's Float8Quantizer applied to the whole master weight at TE's
+    current-scaling scale of its amax, every step; also after a load_state that follows a forward (the load moves
+    the shards' version counters: the next forward recomputes)."""
+    weights = sorted(w.rsplit(".", 1)[0] for w in CONVERTED_WEIGHTS)
+    for i, steps in ((0, A.STEPS), (2, A.STEPS), (11, 1)):
+        for f in _f(run2, dirs, i):
+            assert f["bits"] == {"compared": weights, "steps": steps, "mismatched": []}, (i, f["bits"])
+
+
+def test_no_collective_inside_fsdp2s_all_gather_hooks_and_the_metadata_is_allocated_once(run2, dirs):
+    """The packed weight-amax all-reduce runs in the prepared model's forward pre-hook, before FSDP2's root
+    unshard: the rank's collective-order recorder saw none inside fsdp_pre_all_gather / fsdp_post_all_gather (every
+    launch's audit fails on one: tests/distributed/test_collective_order.py plants one), and every gather of a
+    weight passed the same scale_inv storage (a view of the buffer written in place), not a fresh clone."""
+    for i in (0, 2, 4, 15):
+        for f in _f(run2, dirs, i):
+            assert f["collectives_recorded"] > 0 and f["collectives_inside_hooks"] == [], (i, f["collectives_inside_hooks"])
+            assert f["first_forward_pre_hook"] == "_before_forward"  # in front of FSDP2's root pre-forward
+    assert _f(run2, dirs, 1)[0]["first_forward_pre_hook"] == "FSDPState._pre_forward"  # switch off: FSDP2's first
+    for i in (0, 2):
+        for f in _f(run2, dirs, i):
+            assert f["scale_reductions"] == A.STEPS
+            # blocks.0.fc1: resharded after forward, so gathered in forward and again in backward, every step
+            assert f["metadata"] == {"gathers": 2 * A.STEPS, "scale_storages": 1}, f["metadata"]
 
 
 def test_losses_and_grad_norms_match_the_one_process_reference_every_step(run2, dirs):
@@ -224,7 +254,7 @@ def _decoded(extra):
 
 
 def _block(run2, all_gather):
-    return run2("sc_train", dict(BLOCK, all_gather=all_gather))
+    return run2("sc_train", BLOCK_ON if all_gather == "fp8" else dict(BLOCK, all_gather=all_gather))
 
 
 def test_block_scaling_gathers_the_whole_weights_tiles_bit_for_bit(run2):
@@ -234,8 +264,8 @@ def test_block_scaling_gathers_the_whole_weights_tiles_bit_for_bit(run2):
     for f in _block(run2, "fp8"):
         assert sorted(f["gathered_weights"]) == sorted(BLOCK_WEIGHTS)
         assert f["te_linear_weight_types"] == ["Float8BlockwiseQTensor"]
-        assert f["block_bits"] == {"compared": ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2",
-                                                "head"], "mismatched": []}
+        assert f["bits"] == {"compared": ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2", "head"],
+                             "steps": 3, "mismatched": []}
         assert f["scale_reductions"] == 0 and all(s["weight_amax_reductions"] == 0 for s in f["per_step"])
         # 5 Linears: fprop each; wgrad each + dgrad for all but blocks.0.fc1 (its input, the data, needs no grad)
         assert f["fp8_gemms_fwd"] == 5 * 3 and f["fp8_gemms_bwd"] == 9 * 3 and f["non_fp8_gemms"] == 0
@@ -359,3 +389,110 @@ def test_hsdp_fsdp2_x_tp_activation_checkpointing_nd_loading_and_ram_efficient_l
         _check_llm(facts)
     for f in tp_llama:  # save_state / load_state with the switch under FSDP2 x TP: every parameter back
         assert f["checkpoint_param_mismatch"] == [] and f["loaded_loss_finite"]
+
+
+# -- one rank (tests/support/one_rank.py): FSDP2 over one rank takes torch's world-size-1 shortcut — no all-gather,
+# only the FIRST tensor fsdp_pre_all_gather returns copied into FSDP2's output buffer (the block scale grid rides in
+# the metadata) ----------------------------------------------------------------------------------------------------
+def _one(one_rank, **kwargs):
+    return one_rank("fp8_all_gather_scenarios", "sc_train", **kwargs)
+
+
+ONE_RANK_RECIPES = [({"recipe": "delayed"}, CONVERTED_WEIGHTS, "Float8Tensor", A.STEPS, (5, 10)),
+                    ({"recipe": "current"}, CONVERTED_WEIGHTS, "Float8Tensor", A.STEPS, (5, 10)),
+                    (dict(BLOCK), BLOCK_WEIGHTS, "Float8BlockwiseQTensor", 3, (5, 9))]
+
+
+@pytest.mark.parametrize("kwargs,weights,te_type,steps,gemms", ONE_RANK_RECIPES, ids=["delayed", "current", "block"])
+def test_one_rank_every_recipe_gives_te_the_whole_weights_quantization_bit_for_bit(one_rank, kwargs, weights,
+                                                                                    te_type, steps, gemms):
+    f = _one(one_rank, **kwargs, all_gather="fp8", bits=True)
+    assert sorted(f["gathered_weights"]) == sorted(weights) and f["te_linear_weight_types"] == [te_type]
+    assert f["bits"] == {"compared": sorted(w.rsplit(".", 1)[0] for w in weights), "steps": steps, "mismatched": []}
+    assert all(step["all_gathers"] == 0 for step in f["per_step"])  # FSDP2's shortcut: no collective at all
+    assert f["collectives_recorded"] > 0 and f["collectives_inside_hooks"] == []
+    fwd, bwd = gemms
+    assert (f["fp8_gemms_fwd"], f["fp8_gemms_bwd"], f["non_fp8_gemms"]) == (fwd * steps, bwd * steps, 0)
+    assert f["eval_output_finite"]
+
+
+@pytest.mark.parametrize("kwargs,steps", [({"recipe": "delayed"}, A.STEPS), ({"recipe": "current"}, A.STEPS),
+                                          (dict(BLOCK), 3)], ids=["delayed", "current", "block"])
+def test_one_rank_losses_grad_norms_and_the_packed_all_reduce_against_the_reference_and_the_switch_off(
+        one_rank, kwargs, steps):
+    """One rank holds the whole batch: the one-process reference sees the same activations, so step 0 is exact
+    under every recipe (current scaling too, unlike 2 ranks); the switch-off run as at 2 ranks: within FP8
+    resolution, step 0 identical where both quantize the weight with the same scale (current; block: identical
+    every step — the delayed recipe's switch-off run scales weights from the amax history instead)."""
+    on, off = _one(one_rank, **kwargs, all_gather="fp8", bits=True), _one(one_rank, **kwargs, all_gather="high_precision",
+                                                                            **({"reference": False} if kwargs.get("recipe") == "current" else {}))
+    assert on["losses"][0] == pytest.approx(on["reference"][0], rel=1e-6)
+    assert on["losses"] == pytest.approx(on["reference"], rel=1e-2)
+    assert on["grad_norms"] == pytest.approx(on["reference_grad_norms"], rel=2e-2)
+    if kwargs.get("recipe") != "delayed":
+        assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-6)
+    assert on["losses"] == pytest.approx(off["losses"], rel=5e-2)
+    assert on["grad_norms"] == pytest.approx(off["grad_norms"], rel=5e-2)
+    if kwargs.get("recipe") == "block":  # the same tiles either way, no amax exchange
+        assert on["losses"] == off["losses"] and on["grad_norms"] == off["grad_norms"]
+        assert [s["weight_amax_reductions"] for s in on["per_step"]] == [0] * steps
+    else:  # one packed all-reduce a step (on the one-rank amax group), nothing else added
+        assert [s["weight_amax_reductions"] for s in on["per_step"]] == [1] * steps
+        for s_on, s_off in zip(on["per_step"], off["per_step"]):
+            extra = list(s_on["all_reduces"])
+            for n in s_off["all_reduces"]:
+                extra.remove(n)
+            assert extra == [len(CONVERTED_WEIGHTS)]
+        assert on["metadata"] == {"gathers": 2 * steps, "scale_storages": 1}
+
+
+def test_one_rank_bytes_of_the_unsharded_weights(one_rank):
+    """No all-gather at one rank: the bytes are FSDP2's output buffers the shortcut copies into, held while the
+    weights are unsharded — 1 a parameter with the switch (uint8; block scaling too: its tile scales ride in the
+    metadata), 4 without it under an fp32 policy, 2 under bf16."""
+    on = _one(one_rank, all_gather="fp8", model="linear_stack", steps=2, reference=False, policy="fp32")
+    off32, off16 = (_one(one_rank, all_gather="high_precision", model="linear_stack", steps=2, reference=False,
+                         policy=policy) for policy in ("fp32", "bf16"))
+    assert on["peak_unsharded_bytes_forward"] > 0
+    assert 4 * on["peak_unsharded_bytes_forward"] == off32["peak_unsharded_bytes_forward"]
+    assert 2 * on["peak_unsharded_bytes_forward"] == off16["peak_unsharded_bytes_forward"]
+    block_on, block_off = _one(one_rank, **BLOCK, all_gather="fp8", bits=True), _one(one_rank, **BLOCK,
+                                                                                  all_gather="high_precision")
+    assert 4 * block_on["peak_unsharded_bytes_forward"] == block_off["peak_unsharded_bytes_forward"]
+    for f in (on, off32, off16, block_on, block_off):
+        assert all(step["all_gathers"] == 0 and step["all_gathered_bytes"] == 0 for step in f["per_step"])
+
+
+@pytest.mark.parametrize("modify,mismatched", [("in_place", []), ("data_then_weights_changed", []),
+                                               ("data_only", ["blocks.0.fc1"])])
+def test_one_rank_weights_changed_between_steps(one_rank, modify, mismatched):
+    """With no optimizer step, a user's edit between steps is the only change. In place it moves the version
+    counters: the next forward recomputes the scales (TE gets the new weight's quantization bit for bit). A
+    ``.data`` write moves none: after weights_changed() it is the same; without it the last scales stay (what
+    docs/fixes.md says is not seen — and what shows the bit check can fail)."""
+    f = _one(one_rank, all_gather="fp8", steps=3, reference=False, bits=True, modify=modify)
+    assert f["bits"]["steps"] == 3 and f["bits"]["mismatched"] == mismatched
+    assert [s["weight_amax_reductions"] for s in f["per_step"]] == ([1, 1, 1] if modify != "data_only" else [1, 0, 0])
+
+
+def test_one_rank_checkpoints_and_activation_checkpointing_with_the_switch(one_rank, tmp_path):
+    """Llama: save_state, load_state into a differently initialised model, every parameter bit for bit, the loaded
+    model trains; Llama with transformers' activation checkpointing; block scaling: saved and loaded digests equal,
+    and the first step after the load gathers the loaded weights' tiles bit for bit."""
+    f = one_rank("fp8_all_gather_scenarios", "sc_llm", family="llama", ckpt_dir=one_rank.path("llm"))
+    _check_llm([f])
+    assert f["checkpoint_param_mismatch"] == [] and f["loaded_loss_finite"]
+    f = one_rank("fp8_all_gather_scenarios", "sc_llm", family="llama", grad_ckpt=True)
+    _check_llm([f])  # the recompute gathers again, with the step's scales: one reduction a step
+    saved = _one(one_rank, **dict(BLOCK, steps=2), all_gather="fp8", reference=False, save_dir=one_rank.path("block_on"))
+    loaded = _one(one_rank, **dict(BLOCK, steps=1), all_gather="fp8", reference=False,
+                  load_dir=one_rank.path("block_on"), bits=True)
+    assert loaded["digest_after_load"] == saved["digest_at_save"]
+    assert loaded["bits"]["mismatched"] == [] and loaded["bits"]["steps"] == 1
+
+
+def test_one_rank_a_forward_that_bypasses_the_prepared_model_after_a_change_is_refused_by_name(one_rank):
+    f = one_rank("fp8_all_gather_scenarios", "sc_stale")
+    assert f["error_type"] == "Fp8AllGatherError" and f["reductions"] == 1
+    assert "blocks.0.fc1.weight" in f["error"] and "its shard changed since the weight scales were computed" in f["error"]
+    assert "weights_changed()" in f["error"]

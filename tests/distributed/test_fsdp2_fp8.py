@@ -210,3 +210,44 @@ def test_fsdp2_with_mxfp8_from_accelerates_recipe_kwargs():
         assert f["extra_state_sizes"] == [0]  # stateless recipe: TE writes empty extra state
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-6)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+
+
+# -- one rank (tests/support/one_rank.py: one launch the test files share): single-GPU FSDP2, torch's world-size-1
+# paths; the same assertions as on 2 ranks ----------------------------------------------------------------------
+def test_one_rank_fsdp2_fp8_conversion_state_and_losses(one_rank):
+    f = one_rank("fp8_scenarios", "sc_fsdp2_fp8_train")
+    assert f["converted"] == ["head", "blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.norm",
+                              "blocks.1.fc1", "blocks.1.fc2"] and f["skipped"] == []
+    assert f["params_are_dtensors"] and f["optimizer_holds_model_params"] and f["fp8_enabled"]
+    assert f["amax_group_ranks"] == f["mesh_ranks"] == [0] and f["fp8_group_is_amax_group"]
+    assert f["amax_reductions"] == 0  # TE reduces amaxes only over a group of more than one rank
+    assert f["registered"] == ["amax_history", "scale"] and f["scales_moved"]
+    assert all(f["is_fsdp2"].values()) and all(f["cached_state_is_enclosing_unit"].values())
+    F.check_fp8_gemms(f)
+    F.check_losses(f, f["reference"])
+    F.check_grad_norms(f)
+
+
+def test_one_rank_checkpoint_round_trip_bit_for_bit(one_rank):
+    saved = one_rank("fp8_scenarios", "sc_checkpoint_save", out_dir=one_rank.folder)
+    keys = saved["keys"]
+    assert any(k.endswith("_extra_state") for k in keys) and saved["export_keys"] == sorted(
+        k for k in keys if not k.endswith("_extra_state"))
+    f = one_rank("fp8_scenarios", "sc_checkpoint_load", out_dir=one_rank.folder)
+    assert f["missing"] == [] and f["mismatched"] == []
+    assert f["extra_state_keys"] == 7 and f["nonempty_extra_state"] == 5
+    assert f["fp8_compared"] == 20 and f["fp8_mismatched"] == [] and f["fp8_nontrivial"] > 0
+
+
+@pytest.mark.parametrize("how,baseline,routed,recomputed_gemms", [
+    ("accelerate", "none", ["blocks.0", "blocks.1"], 4),
+    ("transformers", "none-llama", ["model", "model.layers.0", "model.layers.1"], 14),
+])
+def test_one_rank_activation_checkpointing_recomputes_in_fp8(one_rank, how, baseline, routed, recomputed_gemms):
+    on = one_rank("fp8_scenarios", "sc_activation_checkpointing", how=how)
+    off = one_rank("fp8_scenarios", "sc_activation_checkpointing", how=baseline)
+    assert on["error"] is None and on["routed"] == routed
+    assert on["losses"] == pytest.approx(off["losses"], rel=1e-6)
+    assert on["non_fp8_gemms"] == 0 and on["fp8_gemms_fwd"] == off["fp8_gemms_fwd"]
+    assert on["fp8_gemms_bwd"] == off["fp8_gemms_bwd"] + recomputed_gemms * 3
+    assert on["amax_groups"] == off["amax_groups"]

@@ -43,9 +43,20 @@ def _plain_parameter_names(family):
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: f"{kw['family']}-{kw['layout']}-{'fp8' if kw['fp8'] else 'off'}")
 def test_experts_train_like_the_one_process_reference(launched, kw):
+    _check_trains_like_the_reference(_facts(launched, kw), kw)
+
+
+@pytest.mark.parametrize("family", M.FAMILIES)
+def test_one_rank_experts_train_like_the_one_process_reference(one_rank, family):
+    """Single-GPU FSDP2 (tests/support/one_rank.py: one launch the test files share): the same checks."""
+    kw = {"family": family, "layout": "fsdp2_one_rank", "fp8": True}
+    _check_trains_like_the_reference([one_rank("moe_scenarios", "sc_moe", family=family, layout="fsdp2_one_rank")], kw)
+
+
+def _check_trains_like_the_reference(facts, kw):
     fp8 = kw["fp8"]
     names = _plain_parameter_names(kw["family"])
-    for f in _facts(launched, kw):
+    for f in facts:
         assert f["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
         assert not any(".experts" in n for n in f["skipped"]), f["skipped"]
         assert f["params_are_leaves"] and f["param_names"] == names  # the user's parameters, untouched

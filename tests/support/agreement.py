@@ -39,9 +39,15 @@ def rotation() -> int:
     return int(value) if value else datetime.date.today().toordinal()
 
 
+def _names_a_folder(kwargs) -> bool:
+    """A keyword argument (at any depth: plans that wrap other modules' scenarios nest theirs) names a folder."""
+    if isinstance(kwargs, dict):
+        return any(str(k).endswith(("dir", "path")) or _names_a_folder(v) for k, v in kwargs.items())
+    return False
+
+
 def _eligible(plan: list) -> list[int]:
-    return [i for i, (_, kwargs) in enumerate(plan)
-            if not any(k.endswith(("dir", "path")) for k in (kwargs or {}))]
+    return [i for i, (_, kwargs) in enumerate(plan) if not _names_a_folder(kwargs or {})]
 
 
 def choices(turn: int | None = None) -> list[dict]:

@@ -171,10 +171,16 @@ def _model_for(kind_of_model, dim, depth, out=16):
 
 def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, model="block_stack", dim=S.DIM,
              depth=2, policy="fp32", reshard=True, dp_replicate=None, dp_shard=None, reference=True, save_dir=None,
-             load_dir=None, out=16, global_batch=GLOBAL_BATCH):
+             load_dir=None, out=16, global_batch=GLOBAL_BATCH, bits=False, modify=None):
     """FSDP2 + FP8 with ``ACCELERATE_FP8_ALL_GATHER=all_gather``: losses and clipped grad norms per step (and the
     one-process reference), what c10d saw per step (all-gathered bytes, all-reduces), the packed scale
-    reductions, the peak bytes of unsharded weights in forward, and what optimizer / checkpoints see."""
+    reductions, the peak bytes of unsharded weights in forward, and what optimizer / checkpoints see; the
+    collectives the rank's audit recorder saw inside FSDP2's all-gather hooks; the metadata objects the gathers
+    passed. ``bits``: every step, the FP8 tensor each TE Linear receives against TE's quantizer applied to the
+    whole master weight (``full_tensor()``), bytes and scales. ``modify``: NO optimizer step; instead, between
+    steps, the first block's fc1 weight scaled by 1.5 — in place (``"in_place"``: autograd's version counter
+    moves), through ``.data`` then ``weights_changed()`` (``"data_then_weights_changed"``), or through ``.data``
+    alone (``"data_only"``: no counter moves, nothing else changed: the scales stay the last ones)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -195,29 +201,37 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     net = build()
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     net, opt = acc.prepare(net, opt)
+    x, y = _batch(dim, out, rows=global_batch)
+    per = global_batch // world_size
+    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     if load_dir is not None:
+        if bits:  # scales computed from the initial weights first: the load must move them
+            with torch.no_grad():
+                net(x)
         acc.load_state(load_dir)
     loaded_digest = _digest(acc, net) if load_dir is not None else None
     setup = acc.accel_fp8_fix
     te_mods = {n: m for n, m in net.named_modules() if hasattr(m, "fp8_meta")}
-    x, y = _batch(dim, out, rows=global_batch)
-    per = global_batch // world_size
-    x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     peak, handles = _peak_probe(net, te_mods)
     seen = set()  # the class of the weight each TE Linear's forward received (after FSDP2's unshard)
     handles += [m.register_forward_pre_hook(lambda mod, args: seen.add(type(mod._parameters["weight"]).__name__))
                 for m in te_mods.values() if type(m).__name__ == "Linear"]
     ag = setup.all_gather
-    block_check = _block_bits_probe(net, te_mods, setup) if ag is not None and ag.kind == "block" else None
+    probe = _BitsProbe(net, te_mods, setup) if bits and ag is not None else None
+    metadata = _MetadataProbe(net, ag) if ag is not None else None
+    hooks_audit = _HookAudit()
     S.te_reset()
     losses, norms, per_step = [], [], []
-    for _ in range(steps):
+    for step in range(steps):
+        if probe is not None:
+            probe.expect()  # TE's quantizer on the whole master weights, outside the step's hooks
         before = ag.amax_reductions if ag is not None else 0
         with CollectiveSpy() as spy:
             loss = torch.nn.functional.mse_loss(net(x).float(), y)
             acc.backward(loss)
             norms.append(float(acc.clip_grad_norm_(net.parameters(), CLIP)))
-            opt.step()
+            if not modify:  # (with modify, the edit between steps is the only change)
+                opt.step()
             opt.zero_grad()
         gathers = [c for c in spy.calls(layer=None) if "gather" in c.op]
         per_step.append({
@@ -233,6 +247,8 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(float(value) / world_size)
+        if modify and step < steps - 1:
+            _modify_weight(net, ag, modify)
     for h in handles:
         h.remove()
     stats = S.te_stats()
@@ -243,7 +259,11 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
         "losses": losses, "grad_norms": norms, "reference": ref[0], "reference_grad_norms": ref[1],
         "per_step": per_step, "peak_unsharded_bytes_forward": peak["bytes"], "te_linear_weight_types": sorted(seen),
         "gathered_weights": list(ag.weights) if ag is not None else [],
-        "block_bits": block_check.result() if block_check is not None else None,
+        "bits": probe.result() if probe is not None else None,
+        "metadata": metadata.result() if metadata is not None else None,
+        "collectives_inside_hooks": hooks_audit.inside(),
+        "first_forward_pre_hook": _first_pre_hook(net),
+        "collectives_recorded": hooks_audit.recorded(),
         "gathered_scale_bytes": _scale_bytes(net, ag, world_size) if ag is not None else 0,
         "scale_reductions": ag.amax_reductions if ag is not None else 0,
         "converted": setup.conversion.converted,
@@ -274,44 +294,120 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     return facts
 
 
-class _BlockBitsProbe:
-    """At the first forward: the Float8BlockwiseQTensor each TE Linear received (built from the gathered shards)
-    against TE's block quantizer applied to the whole master weight (``full_tensor()``), bit for bit."""
+class _BitsProbe:
+    """Every step, at each TE Linear's first forward: the FP8 tensor it received (built from the gathered shards)
+    against TE's quantizer applied to the whole master weight (``full_tensor()``) — per-tensor recipes: TE's
+    Float8Quantizer at the whole weight's scale (TE's compute_scale_from_amax of its amax); block: TE's
+    Float8BlockQuantizer with the recipe's weight settings — row-wise bytes and scales, bit for bit."""
 
-    def __init__(self, expected, handles):
-        self.expected, self.handles, self.seen = expected, handles, {}
+    def __init__(self, net, te_mods, setup):
+        import functools
+
+        self.setup, self.expected, self.seen, self.steps = setup, {}, {}, 0
+        self.modules = {n: m for n, m in te_mods.items() if f"{n}.weight" in setup.all_gather.weights}
+        self.handles = [m.register_forward_pre_hook(functools.partial(self._check, name=n))
+                        for n, m in self.modules.items()]
+
+    def expect(self):
+        from accel_fp8_fix.fixes import fp8_all_gather as AG
+        from accel_fp8_fix.internals import transformer_engine as TI
+
+        self.steps += 1
+        recipe = self.setup.recipe
+        for name, module in self.modules.items():
+            full = module.weight.full_tensor().detach()
+            if self.setup.all_gather.kind == "block":
+                self.expected[name] = TI.block_rowwise(TI.float8_block_weight_quantizer(recipe)(full))
+            else:
+                params = AG.scale_params(recipe)
+                scale = AG.scales_from_amaxes(full.abs().amax().float().reshape(1), params)
+                self.expected[name] = TI.float8_rowwise(TI.float8_quantizer(scale, params.fp8_dtype)(full))
+
+    def _check(self, mod, args, name):
+        import torch
+
+        from accel_fp8_fix.internals import transformer_engine as TI
+
+        want = self.expected.pop(name, None)
+        if want is None:  # a later forward of the same step (recompute): checked once a step
+            return
+        weight = mod._parameters["weight"]
+        got = TI.block_rowwise(weight) if self.setup.all_gather.kind == "block" else TI.float8_rowwise(weight)
+        ok = all(torch.equal(g.reshape(w.shape), w) for g, w in zip(got, want))
+        self.seen.setdefault(name, []).append(ok)
 
     def result(self):
         for h in self.handles:
             h.remove()
-        return {"compared": sorted(self.seen), "mismatched": sorted(n for n, ok in self.seen.items() if not ok)}
+        return {"compared": sorted(self.seen), "steps": self.steps,
+                "mismatched": sorted(n for n, oks in self.seen.items() if not all(oks) or len(oks) != self.steps)}
 
 
-def _block_bits_probe(net, te_mods, setup):
+class _MetadataProbe:
+    """The all-gather metadata of one weight gathered in FP8, at every gather: which scale tensor storages it
+    passed — allocated once, or per gather."""
+
+    def __init__(self, net, ag, name="blocks.0.fc1.weight"):  # a block's: gathered in forward and in backward
+        from accel_fp8_fix.internals import torch_fsdp2
+
+        weight = next((w for w in ag.record.weights if w.name == name), ag.record.weights[0])
+        shard = torch_fsdp2.sharded_local_tensor(weight.fsdp_param)
+        self.state = shard._accel_fp8_fix_all_gather
+        self.original = self.state.pre_all_gather
+        self.scale_storages, self.gathers = set(), 0
+
+        def pre_all_gather(local, orig_size):
+            inputs, metadata = self.original(local, orig_size)
+            self.gathers += 1
+            self.scale_storages.update(t.untyped_storage().data_ptr() for t in metadata if hasattr(t, "dtype"))
+            return inputs, metadata
+
+        self.state.pre_all_gather = pre_all_gather
+
+    def result(self):
+        del self.state.pre_all_gather  # the class's method again
+        return {"gathers": self.gathers, "scale_storages": len(self.scale_storages)}
+
+
+class _HookAudit:
+    """What this rank's collective-order recorder (on in every run_distributed launch) saw from now on."""
+
+    def __init__(self):
+        from accel_fp8_fix.testing import collective_order
+
+        self.recorder = collective_order._installed["recorder"]
+        self.start = len(self.recorder.records) if self.recorder is not None else 0
+
+    def recorded(self) -> int:
+        return len(self.recorder.records) - self.start if self.recorder is not None else -1
+
+    def inside(self) -> list:
+        records = self.recorder.records[self.start:] if self.recorder is not None else []
+        return [f"{r} inside {r.inside}" for r in records if r.inside]
+
+
+def _first_pre_hook(net) -> str:
+    """The name of the function of the prepared model's first forward pre-hook (FSDP2's root pre-forward is a
+    bound ``FSDPState._pre_forward``; the package's refresh a partial of ``_before_forward``)."""
+    hook = next(iter(net._forward_pre_hooks.values()), None)
+    hook = getattr(hook, "func", hook)
+    return getattr(hook, "__qualname__", repr(hook))
+
+
+def _modify_weight(net, ag, how):
+    """Between steps, as a user might: the first block's fc1 weight times 1.5."""
     import torch
 
-    from accel_fp8_fix.internals import transformer_engine as TI
-
-    expected, handles = {}, []
-    for name, module in te_mods.items():
-        if f"{name}.weight" not in setup.all_gather.weights:
-            continue
-        quantizer = TI.float8_block_weight_quantizer(setup.recipe)
-        expected[name] = TI.block_rowwise(quantizer(module.weight.full_tensor().detach()))
-    probe = _BlockBitsProbe(expected, handles)
-
-    def check(mod, args, name):
-        if name in probe.seen:
-            return
-        data, scale_inv = TI.block_rowwise(mod._parameters["weight"])
-        want_data, want_scale = probe.expected[name]
-        probe.seen[name] = bool(torch.equal(data, want_data) and torch.equal(scale_inv, want_scale))
-
-    import functools
-
-    for name in expected:
-        handles.append(te_mods[name].register_forward_pre_hook(functools.partial(check, name=name)))
-    return probe
+    weight = net.blocks[0].fc1.weight
+    with torch.no_grad():
+        if how == "in_place":
+            weight.mul_(1.5)
+        elif how in ("data_then_weights_changed", "data_only"):
+            weight.data.mul_(1.5)  # autograd's version counters do not see it: say so (or not: a stale scale)
+            if how == "data_then_weights_changed":
+                ag.weights_changed()
+        else:
+            raise AssertionError(how)
 
 
 def _scale_bytes(net, ag, world_size) -> int:
@@ -345,8 +441,8 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
 
     Z = _sibling("zoo_scenarios")
     F = _sibling("fp8_scenarios")
-    if dp_shard is None and dp_replicate is None and tp is None:
-        dp_shard = world_size
+    if dp_shard is None and dp_replicate is None and tp is None and world_size > 1:
+        dp_shard = world_size  # (one rank: FSDP2 without a ParallelismConfig, as a single-GPU script has it)
     S.ensure_rehearsal(True)
     os.environ[ALL_GATHER_ENV] = all_gather
     ref = _reference(lambda: Z.build(family), recipe, steps, lambda m: m(**Z.batch()).loss, exclude=("lm_head",),
@@ -417,6 +513,34 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
         facts["loaded_loss_finite"] = bool(torch.isfinite(loss2))
     _reset_te()
     return facts
+
+
+def sc_stale(rank, world_size):
+    """After an optimizer step, a forward that bypasses the prepared model (a decoder block's own, FSDP2 unsharding
+    it alone) would gather with the last step's scales: the hook refuses by name instead (no collective there)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    S.ensure_rehearsal(True)
+    os.environ[ALL_GATHER_ENV] = "fp8"
+    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPES["delayed"],
+                             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                         reduce_dtype=torch.float32))
+    net = S.block_stack(seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    net, opt = acc.prepare(net, opt)
+    x, y = _batch(S.DIM)
+    acc.backward(torch.nn.functional.mse_loss(net(x).float(), y))
+    opt.step()
+    opt.zero_grad()
+    try:
+        net.blocks[0](torch.randn(16, S.DIM))
+    except Exception as exc:  # noqa: BLE001
+        error = (type(exc).__name__, str(exc))
+    else:
+        error = (None, "")
+    _reset_te()
+    return {"error_type": error[0], "error": error[1], "reductions": acc.accel_fp8_fix.all_gather.amax_reductions}
 
 
 def sc_bad_input(rank, world_size, case):

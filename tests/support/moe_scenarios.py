@@ -15,7 +15,8 @@ from . import zoo_scenarios as Z
 
 FAMILIES = ("qwen3_moe", "qwen2_moe")
 DECODER_LAYER = {"qwen3_moe": "Qwen3MoeDecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer"}
-LAYOUTS = {"fsdp2": (None, 2, None), "tp": (None, None, 2), "hsdp": (2, 2, None), "fsdp2_tp": (None, 2, 2)}  # (dp_replicate, dp_shard, tp)
+LAYOUTS = {"fsdp2": (None, 2, None), "tp": (None, None, 2), "hsdp": (2, 2, None), "fsdp2_tp": (None, 2, 2),
+           "fsdp2_one_rank": (None, None, None)}  # (dp_replicate, dp_shard, tp); one rank: FSDP2, no ParallelismConfig
 STEPS = 3
 LR = 0.02
 TOKENS = 40  # rows of the experts-level checks: 80 (token, expert) pairs over 4 experts (no count a multiple of 16)
@@ -289,7 +290,7 @@ def _prepared(family, layout):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dp_replicate, dp_shard, tp = LAYOUTS[layout]
-    fsdp = dp_shard is not None
+    fsdp = dp_shard is not None or layout == "fsdp2_one_rank"
     extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
              "wrap_cls": [DECODER_LAYER[family]]} if fsdp else {}
     acc = S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",

@@ -60,3 +60,49 @@ def test_check_dir_skips_failed_runs_and_reports_missing_ranks(tmp_path):
                                    "was killed writes none)"]
     dump(rec, tmp_path / "run-1-1" / "rank1.json", 1, 2, failed=True)
     assert check_dir(tmp_path) == []
+
+
+def test_a_collective_inside_fsdp2s_all_gather_extension_hooks_is_named():
+    inside = Collective(kind="all_reduce", op="c10d.allreduce_", group=(0, 1), dtype="float32", numel=5,
+                        inside="fsdp_pre_all_gather")
+    problems = check({0: [inside, inside], 1: [inside, inside]})  # the ranks agree: still two problems
+    assert problems == [f"rank {r} issued 2 collective(s) inside FSDP2's all-gather extension hooks, the first "
+                        "all_reduce (c10d.allreduce_) float32 numel=5 on group [0, 1] inside fsdp_pre_all_gather "
+                        "(FSDP2 runs it during an unshard — on a GPU on its all-gather copy-in stream — and gathers "
+                        "on its own communicator right after: issue it before the unshard)" for r in (0, 1)]
+    outside = Collective(kind="all_reduce", op="c10d.allreduce_", group=(0, 1), dtype="float32", numel=5)
+    assert check({0: [outside], 1: [outside]}) == [] and outside.key() == inside.key()
+
+
+class _Hooked:
+    """Stands in for a tensor subclass with FSDP2's all-gather extension hooks: the recorder reads the stack."""
+
+    def __init__(self, collective):
+        self.collective = collective
+
+    def fsdp_pre_all_gather(self):
+        return self.collective()
+
+    def fsdp_post_all_gather(self):
+        return self.collective()
+
+
+def test_the_recorder_marks_collectives_issued_inside_the_hooks(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from accel_fp8_fix.distributed import collectives
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with CollectiveRecorder() as rec:
+            collectives.all_reduce(torch.ones(3), group=dist.group.WORLD, name="outside")
+            hooked = _Hooked(lambda: collectives.all_reduce(torch.ones(2), group=dist.group.WORLD, name="inside"))
+            hooked.fsdp_pre_all_gather()
+            _Hooked(lambda: dist.all_reduce(torch.ones(4))).fsdp_post_all_gather()  # raw c10d (TE's) too
+    finally:
+        dist.destroy_process_group()
+    assert [(r.numel, r.inside) for r in rec.records] == [(3, ""), (2, "fsdp_pre_all_gather"),
+                                                          (4, "fsdp_post_all_gather")]
+    dump(rec, tmp_path / "run-1-1" / "rank0.json", 0, 1)  # written and read back with the mark
+    assert len(check_dir(tmp_path)) == 1 and "inside fsdp_pre_all_gather" in check_dir(tmp_path)[0]

@@ -145,3 +145,81 @@ def test_doctor_launch_checks_the_switch(tmp_path):
     assert "FP8 all-gather" in no_fsdp.failed and "FSDP2" in str(no_fsdp)
     bad = check_launch_config(_config(tmp_path, {"all_gather": "banana"}), environ=env)
     assert "FP8 all-gather" in bad.failed
+
+
+def _fake_fsdp_param(rows, cols, world, shard=None, param=None):
+    from types import SimpleNamespace
+
+    padded = -(-rows // world)
+    return SimpleNamespace(mesh_info=SimpleNamespace(shard_mesh_size=world),
+                           padded_sharded_param_size=torch.Size([padded, cols]),
+                           sharded_param=param if param is not None else torch.empty(rows, cols),
+                           _sharded_local_tensor=shard if shard is not None else torch.empty(padded, cols))
+
+
+@pytest.mark.parametrize("rows,world,why", [
+    (512, 2, None), (256, 1, None), (200, 1, None),  # whole tiles per shard; one shard rank: any rows
+    (384, 2, "not a multiple of 128"),  # 192-row shards: tiles would cross shard boundaries
+    (4080, 32, "uneven"),  # 128-row shards, the last 112: FSDP2 wants every all-gather input padded-size
+])
+def test_block_scaling_needs_whole_tiles_in_whole_shards(rows, world, why):
+    got = AG._block_misaligned("w", _fake_fsdp_param(rows, 256, world))
+    assert (got is None) if why is None else (why in got and got.startswith(f"w: {rows} rows sharded over {world}"))
+
+
+def test_the_record_sees_every_way_a_shard_changes_and_the_hook_refuses_a_stale_one():
+    from accel_fp8_fix.fixes.fp8_weight_record import WeightRecord
+
+    param, shard = torch.zeros(4, 2), torch.zeros(4, 2)
+    fake = _fake_fsdp_param(4, 2, 1, shard=shard, param=param)
+    record = WeightRecord()
+    i = record.add("blocks.0.fc1.weight", fake, "per_tensor")
+    assert record.changed([i])  # never computed
+    with pytest.raises(policy.Fp8AllGatherError, match="blocks.0.fc1.weight: its shard changed"):
+        record.check_current(i)
+    record.mark_current([i])
+    record.check_current(i)
+    for change in (lambda: param.add_(1),  # an optimizer step / a user's in-place edit (the DTensor parameter)
+                   lambda: shard.copy_(torch.ones(4, 2)),  # a load into the local shard
+                   lambda: setattr(fake, "_sharded_local_tensor", torch.zeros(4, 2)),  # FSDP2 replaced the shard
+                   record.invalidate):  # weights_changed(): what no version counter sees
+        change()
+        assert record.changed([i])
+        with pytest.raises(policy.Fp8AllGatherError, match="weights_changed()"):
+            record.check_current(i)
+        record.mark_current([i])
+    param.data.add_(1)  # bypasses the version counters: not seen (docs/fixes.md)
+    assert not record.changed([i])
+
+
+def test_the_scales_are_one_packed_reduction_into_buffers_allocated_once():
+    from accel_fp8_fix.fixes.fp8_weight_record import WeightRecord, WeightScales
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    te_on_cpu.install()
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    shards = [torch.randn(8, 16) * s for s in (1.0, 30.0, 1e-3)]
+    record = WeightRecord()
+    scales = WeightScales(record, None, AG.scale_params(Float8CurrentScaling()))
+    for n, t in enumerate(shards):
+        scales.add(record.add(f"w{n}", _fake_fsdp_param(8, 16, 1, shard=t, param=t), "per_tensor"))
+    with torch.inference_mode():  # a first forward in an evaluation: the buffers are still normal tensors
+        assert scales.refresh()
+    assert not scales.scale.is_inference() and not scales.refresh()  # unchanged: no reduction
+    want = AG.scales_from_amaxes(torch.stack([t.abs().amax() for t in shards]), scales.params)
+    assert torch.equal(scales.scale, want) and torch.equal(scales.scale_inv, torch.reciprocal(want))
+    buffers = (scales.scale.data_ptr(), scales.scale_inv.data_ptr())
+    views = [v.data_ptr() for v in scales.scale_inv_views]
+    shards[1].mul_(2)
+    assert scales.refresh() and scales.reductions == 2
+    assert float(scales.scale[1]) == float(want[1]) / 2 and (scales.scale.data_ptr(), scales.scale_inv.data_ptr()) == buffers
+    assert [v.data_ptr() for v in scales.scale_inv_views] == views  # what each gather passes: the same storage
+    assert all(q.scale.data_ptr() == scales.scale[j:j + 1].data_ptr() for j, q in enumerate(scales.quantizers))
+
+
+def test_fsdp2_is_told_to_keep_the_all_gather_outputs():
+    """torch 2.15 asks the extension whether to free the all-gather outputs right after fsdp_post_all_gather: the
+    FP8 tensor built there is a view of them."""
+    shard = torch.zeros(2, 2).as_subclass(AG.Fp8AllGatherShard)
+    assert shard.fsdp_should_release_all_gather_outputs_after_post_all_gather() is False
