@@ -257,7 +257,7 @@ class Baseline:
         now, imported = fingerprint(), set(sys.modules) - self.modules
         own = run_module.partition(".")[0] if run_module else None
         changed = []
-        for key in sorted(now.keys() & self.callables.keys()):
+        for key in sorted(now.keys() & self.callables.keys(), key=lambda k: tuple(part or "" for part in k)):
             if now[key] != self.callables[key]:
                 origin = _origin(key)
                 if origin in imported and (own is None or origin.partition(".")[0] != own):
