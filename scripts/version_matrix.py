@@ -59,13 +59,25 @@ def matches(found: str | None, spec: str) -> bool:
     return found is not None and (found.split("+")[0] + ".").startswith(spec + ".")
 
 
-def pip(python: Path, *args: str, timeout: float) -> None:
+# A machine's pip configuration may cap releases (this image's global constraint file keeps torch <= 2.14.1, the
+# builds on its disk); a release past the cap is installed from the registry with that configuration left out.
+PAST_CAP = {"PIP_CONFIG_FILE": os.devnull}
+
+
+def pip(python: Path, *args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [str(python), "-m", "pip", "install", "--quiet", *args]
-    log(" ".join(cmd[3:]))
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    log(" ".join(cmd[3:]) + (" (past the local pip cap)" if env else ""))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     if out.returncode != 0:
         tail = "\n".join(line for line in out.stderr.splitlines() if not line.startswith("WARNING: Location"))[-3000:]
         raise RuntimeError(f"pip install {' '.join(args)} failed:\n{tail}")
+    return out
+
+
+def capped(error: RuntimeError) -> bool:
+    """pip refused a release the local configuration hides (not one the registry lacks)."""
+    return "No matching distribution" in str(error) or "ResolutionImpossible" in str(error) \
+        or "conflicting dependencies" in str(error)
 
 
 def build(root: Path, spec: str, pins: dict, timeout: float) -> Path:
@@ -76,13 +88,20 @@ def build(root: Path, spec: str, pins: dict, timeout: float) -> Path:
         log(f"reusing {venv} (torch {installed(python, 'torch')})")
         return python
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip(python, torch_requirement(spec), timeout=timeout)
+    env = None
+    try:
+        pip(python, torch_requirement(spec), timeout=timeout)
+    except RuntimeError as error:
+        if not capped(error):
+            raise
+        env = PAST_CAP
+        pip(python, torch_requirement(spec), timeout=timeout, env=env)
     torch_version = installed(python, "torch")
     constraints = venv / "constraints.txt"
     constraints.write_text(f"torch=={torch_version}\n")  # later installs must not move torch (triton pins do)
     pip(python, "-c", str(constraints), "-e", f"{REPO}[test,rehearsal-dev]",
-        *(f"{name}=={version}" for name, version in pins.items()), timeout=timeout)
-    log(f"built {venv}: torch {torch_version}")
+        *(f"{name}=={version}" for name, version in pins.items()), timeout=timeout, env=env)
+    log(f"built {venv}: torch {torch_version}" + (" (past the local pip cap)" if env else ""))
     return python
 
 

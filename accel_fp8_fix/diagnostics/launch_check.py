@@ -13,9 +13,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Check", "LaunchVerdict", "check_launch_config"]
+from ..fixes.layout import SIZE_KEYS, refused_layout, unknown_sizes, unknown_sizes_message
 
-SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+__all__ = ["Check", "LaunchVerdict", "check_launch_config"]
 
 
 @dataclass
@@ -199,7 +199,12 @@ def _layout_checks(cfg: dict) -> list[Check]:
                             "(plain DDP / one process runs stock accelerate's TE path)",
                             "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2", blocking=False))
     checks.append(_process_count_check(_int(cfg.get("num_processes"), 1), sizes))
-    from ..fixes.layout import refused_layout
+    unknown = unknown_sizes({key[len("parallelism_config_"):-len("_size")]: value for key, value in pc.items()
+                             if key.startswith("parallelism_config_") and key.endswith("_size")})
+    if unknown:
+        checks.append(Check("parallelism dimensions", False,
+                            unknown_sizes_message(unknown, "parallelism_config_{key}_size").removeprefix("accel_fp8_fix: "),
+                            "\n".join(f"parallelism_config_{key}_size: 1" for key in unknown)))
 
     refusal = refused_layout(sizes, fsdp=None)  # dp_replicate x tp / cp without dp_shard: refused at ParallelismConfig()
     if refusal is not None:

@@ -15,6 +15,42 @@ import os
 SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
 
+def unknown_sizes(sizes: dict) -> dict:
+    """The parallelism sizes above 1 this package does not know (``{"ep": 2}`` from a ``ParallelismConfig`` with
+    ``ep_size``, a config's ``parallelism_config_ep_size`` or ``PARALLELISM_CONFIG_EP_SIZE``). Their mesh dimension
+    would be misread — taken for data parallel wherever it carries ``Shard(0)`` — so they are refused by name."""
+    out = {}
+    for key, value in sizes.items():
+        if key in SIZE_KEYS:
+            continue
+        try:
+            if value is not None and int(value) != 1:
+                out[key] = value
+        except (TypeError, ValueError):
+            out[key] = value
+    return out
+
+
+def unknown_sizes_message(unknown: dict, where: str) -> str:
+    named = ", ".join(f"{where.format(key=key, KEY=key.upper())} = {value}" for key, value in unknown.items())
+    return (f"accel_fp8_fix: {named}: a parallelism dimension this package does not know (it knows "
+            f"{', '.join(SIZE_KEYS)}); its mesh dimension would be misread, so the FP8 fixes refuse it rather than "
+            "shard, reduce or convert by guess. Set it to 1, or run without the package (ACCEL_FP8_FIX=0). "
+            "(transformers' expert parallelism applied at load, DistributedConfig(ep_size=...), is recognised.)")
+
+
+def _instance_sizes(instance) -> dict:
+    """Every ``*_size`` attribute of a ``ParallelismConfig`` (a subclass's or a newer accelerate's included)."""
+    names = set(getattr(instance, "__dataclass_fields__", {})) | set(vars(instance))
+    return {name[: -len("_size")]: getattr(instance, name, None) for name in names if name.endswith("_size")}
+
+
+def _env_unknown_sizes(environ) -> dict:
+    prefix, suffix = "PARALLELISM_CONFIG_", "_SIZE"
+    return unknown_sizes({k[len(prefix):-len(suffix)].lower(): v for k, v in environ.items()
+                          if k.startswith(prefix) and k.endswith(suffix)})
+
+
 def _product(sizes: dict) -> str:
     return " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1) or "all 1"
 
@@ -83,8 +119,14 @@ def check_accelerator_kwargs(kwargs: dict, environ=None) -> None:
     environ = os.environ if environ is None else environ
     pc = kwargs.get("parallelism_config")
     if pc is not None:
+        unknown = unknown_sizes(_instance_sizes(pc))
+        if unknown:
+            raise ValueError(unknown_sizes_message(unknown, f"{type(pc).__name__}.{{key}}_size"))
         sizes = {k: getattr(pc, f"{k}_size", 1) for k in SIZE_KEYS}
     elif str(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true":
+        unknown = _env_unknown_sizes(environ)
+        if unknown:
+            raise ValueError(unknown_sizes_message(unknown, "PARALLELISM_CONFIG_{KEY}_SIZE"))
         sizes = _env_sizes(environ)
     else:
         return
@@ -100,7 +142,11 @@ def check_accelerator_kwargs(kwargs: dict, environ=None) -> None:
 
 def parallelism_config_post_init(wrapped, instance, args, kwargs):
     """``ParallelismConfig.__post_init__``: a size combination accelerate refuses here (``dp_replicate x tp`` or
-    ``x cp`` without ``dp_shard``) raises with the layout to use instead, before accelerate's own message."""
+    ``x cp`` without ``dp_shard``) raises with the layout to use instead, before accelerate's own message; so does
+    a size this package does not know (:func:`unknown_sizes`)."""
+    unknown = unknown_sizes(_instance_sizes(instance))
+    if unknown:
+        raise ValueError(unknown_sizes_message(unknown, f"{type(instance).__name__}.{{key}}_size"))
     sizes = {k: getattr(instance, f"{k}_size", None) for k in SIZE_KEYS}
     env = _env_sizes(os.environ)
     sizes = {k: (v if v is not None else env[k]) for k, v in sizes.items()}

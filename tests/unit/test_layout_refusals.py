@@ -87,3 +87,69 @@ def test_parallelism_config_and_accelerator_refuse_with_the_layout_to_use(call, 
     assert last.startswith(expect), proc.stdout + proc.stderr[-2000:]
     if expect != "ok":
         assert "Use " in last
+
+
+EP_SCRIPT = """
+import json, os, sys
+if sys.argv[1] == "fixed":
+    import accel_fp8_fix
+from dataclasses import dataclass
+from accelerate import Accelerator
+from accelerate.utils import ParallelismConfig
+
+@dataclass
+class EPConfig(ParallelismConfig):  # a future accelerate's ep_size (an accelerate pull request adds it)
+    ep_size: int = 1
+
+def outcome(call):
+    try:
+        call()
+    except ValueError as exc:
+        return "refused: " + str(exc)
+    return "ok"
+
+out = {
+    "ep 2": outcome(lambda: EPConfig(dp_shard_size=2, ep_size=2)),
+    "ep 1": outcome(lambda: EPConfig(dp_shard_size=2, ep_size=1)),
+}
+os.environ.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_DP_SHARD_SIZE="2",
+                  PARALLELISM_CONFIG_EP_SIZE="2")
+out["env ep 2"] = outcome(lambda: Accelerator())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["fixed", "stock"])
+def test_an_unknown_parallelism_dimension_is_refused_by_name_never_misread(mode):
+    """issue 32 item 4: a size the package does not know (a ParallelismConfig subclass's ep_size, or the launcher's
+    PARALLELISM_CONFIG_EP_SIZE) is refused at ParallelismConfig() / Accelerator(), naming it; size 1 is no dimension;
+    stock accelerate takes the subclass (the refusal is the package's)."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", EP_SCRIPT, mode], capture_output=True, text=True, timeout=180,
+                          env=CLEAN_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ep 1"] == "ok"
+    if mode == "stock":
+        assert out["ep 2"] == "ok"
+        return
+    assert out["ep 2"].startswith("refused: accel_fp8_fix: EPConfig.ep_size = 2: a parallelism dimension this "
+                                  "package does not know (it knows dp_replicate, dp_shard, tp, cp, sp)"), out
+    assert out["env ep 2"].startswith("refused: accel_fp8_fix: PARALLELISM_CONFIG_EP_SIZE = 2: a parallelism"), out
+
+
+def test_doctor_refuses_an_unknown_parallelism_dimension_by_name(tmp_path):
+    cfg = yaml.safe_load((ROOT / "examples/fsdp2_tp_fp8.yaml").read_text())
+    cfg["parallelism_config"]["parallelism_config_ep_size"] = 2
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    verdict = check_launch_config(str(path), environ={"ACCEL_FP8_FIX_REHEARSAL": "1"})
+    (check,) = [c for c in verdict.checks if c.name == "parallelism dimensions"]
+    assert not check.ok and "parallelism dimensions" in verdict.failed
+    assert check.detail.startswith("parallelism_config_ep_size = 2: a parallelism dimension this package does not know")
+    assert check.fix == "parallelism_config_ep_size: 1"
+    cfg["parallelism_config"]["parallelism_config_ep_size"] = 1
+    path.write_text(yaml.safe_dump(cfg))
+    assert not [c for c in check_launch_config(str(path), environ={"ACCEL_FP8_FIX_REHEARSAL": "1"}).checks
+                if c.name == "parallelism dimensions"]

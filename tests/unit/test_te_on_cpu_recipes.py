@@ -194,6 +194,46 @@ def _layernorm_mlp_under(recipe, dtype):
             "rel_err": _rel(y.detach(), reference)}
 
 
+def _te_refusals() -> dict:
+    """What TE's C++ refuses or returns early on (issue 28 item 2), through the shim; each value is what happened."""
+    import torch.distributed as dist
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
+
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    def outcome(call):
+        try:
+            result = call()
+        except RuntimeError as exc:
+            return "refused: " + str(exc)
+        return f"returned {type(result).__name__}"
+
+    a, b = torch.randn(16, 32), torch.randn(8, 32)  # TN: D = b @ a.T, [8, 16]
+
+    def gemm(D=None, accumulate=False, beta=None, out_dtype=tex.DType.kFloat32):
+        return tex.generic_gemm(a, True, b, False, D, None, out_dtype, None, tex.DType.kFloat32, False, None, False,
+                                torch.empty(0), 0, accumulate, False, beta=beta)
+
+    out = {"right": outcome(lambda: gemm(torch.empty(8, 16))),
+           "wrong_dims": outcome(lambda: gemm(torch.empty(16, 8))),
+           "wrong_dtype": outcome(lambda: gemm(torch.empty(8, 16, dtype=torch.bfloat16))),
+           "beta_without_accumulate": outcome(lambda: gemm(torch.empty(8, 16), beta=0.5)),
+           "beta_with_accumulate": outcome(lambda: gemm(torch.zeros(8, 16), accumulate=True, beta=0.5))}
+    current = Float8CurrentScalingQuantizer(E4M3, device="cpu", with_amax_reduction=True,
+                                            amax_reduction_group=dist.group.WORLD)
+    te_on_cpu.reset_stats()
+    empty = tex.quantize(torch.empty(0, 16), current, None, None)
+    full = tex.quantize(torch.randn(4, 16), current, None, None)
+    out["empty_quantize"] = {"type": type(empty).__name__, "shape": list(empty.shape),
+                             "full_shape": list(full.shape),
+                             "allreduces": te_on_cpu.stats().get("amax_allreduce_current_scaling", 0)}
+    delayed = Float8Quantizer(torch.ones(1), torch.zeros(1), E4M3)
+    noop = tex.quantize(torch.randn(4, 16), delayed, None, torch.ones(1))
+    out["noop_quantize"] = {"type": type(noop).__name__, "shape": list(noop.shape) if noop is not None else None,
+                            "amax": float(delayed.amax)}
+    return out
+
+
 def _on_hopper(rank, world_size):
     from accel_fp8_fix.rehearsal import te_on_cpu
 
@@ -231,6 +271,7 @@ def _on_hopper(rank, world_size):
         out["gemm_2d_2d"] = None
     except RuntimeError as exc:
         out["gemm_2d_2d"] = str(exc)
+    out["refusals"] = _te_refusals()
     out["block_linear"] = _linear_under(Float8BlockScaling(), torch.float32)
     out["block_linear_bf16"] = _linear_under(Float8BlockScaling(), torch.bfloat16)
     out["block_mlp"] = _layernorm_mlp_under(Float8BlockScaling(), torch.bfloat16)
@@ -378,6 +419,26 @@ def test_tes_python_reads_the_shims_block_layouts(hopper):
         assert case["type"] == "Float8BlockwiseQTensor"
         assert case["row_equal"] and case["col_close"] and case["col_equal_2d"], case
         assert 0.005 < case["row_err"] < 0.05, case  # E4M3 with power-of-two block scales
+
+
+def test_gemm_output_and_beta_are_checked_as_te_checks_them(hopper):
+    """TE's gemm.cpp refuses a D of the wrong shape or dtype and beta without accumulate; the shim copied a
+    same-size D of another shape and ignored beta (issue 28 item 2)."""
+    r = hopper["refusals"]
+    assert r["right"] == "returned list" and r["beta_with_accumulate"] == "returned list"
+    assert r["wrong_dims"] == "refused: GEMM output has invalid dims (expected (8,16), got (16,8))"
+    assert r["wrong_dtype"] == "refused: GEMM output has invalid dtype (expected 4, found 6)"
+    assert r["beta_without_accumulate"] == ("refused: Trying to use non-zero beta while not accumulating into D "
+                                            "tensor. Beta has nothing to be applied to.")
+
+
+def test_an_empty_quantize_returns_before_its_amax_all_reduce_and_the_noop_flag_returns_a_tensor(hopper):
+    """TE's quantize_impl returns on numel() == 0 before the current-scaling amax all-reduce (a rank with no tokens
+    issues no collective on a GPU); with the no-op flag set it allocates and returns an untouched tensor (the shim
+    returned None)."""
+    empty, noop = hopper["refusals"]["empty_quantize"], hopper["refusals"]["noop_quantize"]
+    assert empty == {"type": "Float8Tensor", "shape": [0, 16], "full_shape": [4, 16], "allreduces": 1}
+    assert noop == {"type": "Float8Tensor", "shape": [4, 16], "amax": 0.0}
 
 
 def test_block_gemm_2d_by_2d_is_refused_as_cublas_does(hopper):

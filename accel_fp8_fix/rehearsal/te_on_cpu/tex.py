@@ -1061,7 +1061,13 @@ def nvfp4_2d_scale_transpose(input, output, M_tiles, K_tiles):
 
 
 def quantize(tensor, quantizer, output=None, noop=None):
-    if noop is not None and float(noop.reshape(-1)[0]) != 0.0:
+    empty = tensor.numel() == 0
+    if empty or (noop is not None and float(noop.reshape(-1)[0]) != 0.0):
+        # TE allocates the output (cast.cpp: quantizer.create_tensor) and its kernels return untouched: on the no-op
+        # flag, and before any amax update or all-reduce for an empty input (quantizer.cpp: every
+        # ``quantize_impl`` returns on ``numel() == 0``) — so a rank with no tokens issues no collective.
+        if output is None:
+            output = create_empty_quantized_tensor(quantizer, list(tensor.shape), tensor.dtype, tensor.device, False)
         return output
     kind = _quantizer_kind(quantizer)
     _STATS[f"quantize_{kind}"] += 1
@@ -1297,6 +1303,26 @@ def _uses_fast_accum(A, B, use_split_accumulator) -> bool:
     return all(plain) and cuda_as_cpu.capability()[0] == 9
 
 
+def _check_gemm_output(D, expected: list, output_dtype, accumulate: bool, beta) -> None:
+    """TE's checks of ``D`` and ``beta`` (pytorch/csrc/extensions/gemm.cpp ``gemm``), with its messages: what a GPU
+    refuses is refused here (the shim would otherwise copy a wrong-shaped ``D`` of equal size, or ignore beta)."""
+    if not accumulate and beta not in (None, 0.0):
+        raise RuntimeError("Trying to use non-zero beta while not accumulating into D tensor. "
+                           "Beta has nothing to be applied to.")
+    if D is None:
+        return
+    got = list(D.shape)
+    if got != list(expected):
+        raise RuntimeError(f"GEMM output has invalid dims (expected ({','.join(map(str, expected))}), "
+                           f"got ({','.join(map(str, got))}))")
+    if output_dtype is not None and not (_is_float8(D) or _is_mxfp8(D) or _is_block_fp8(D) or _is_nvfp4(D)):
+        wanted = _TE_OF[output_dtype] if isinstance(output_dtype, torch.dtype) else int(output_dtype)
+        found = _TE_OF.get(D.dtype)
+        if found is None or found != wanted:
+            raise RuntimeError(f"GEMM output has invalid dtype (expected {wanted}, "
+                               f"found {int(found) if found is not None else D.dtype})")
+
+
 def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_type, gelu, gelu_in,
                  grad, workspace, workspace_size, accumulate, use_split_accumulator,
                  comm_overlap=None, comm_type=None, extra_output=None, bulk_overlap=False,
@@ -1331,6 +1357,7 @@ def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_ty
         out = out * alpha
     n = out.shape[1]
     out_shape = [*b_shape[:-1], n] if not transB else [out.shape[0], n]
+    _check_gemm_output(D, out_shape, output_dtype, accumulate, beta)
 
     bias_grad = None
     gelu_input = None
