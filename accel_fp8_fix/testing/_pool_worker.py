@@ -6,6 +6,7 @@ import faulthandler
 import importlib
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -18,6 +19,7 @@ from accel_fp8_fix.testing import isolation
 
 
 def main(address: str, rank: str, token: str, preload: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack, to the log
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=60)
     sock.settimeout(None)

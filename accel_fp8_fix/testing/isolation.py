@@ -29,6 +29,7 @@ Checked (left behind = the run fails and the pool is rebuilt):
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -140,7 +141,7 @@ def _restore_torch(flags: dict | None) -> None:
 
 
 def _restore_libraries() -> None:
-    """accelerate's singletons, TE's global FP8 state, the rehearsal's counters."""
+    """accelerate's singletons, TE's global FP8 state, the rehearsal's counters, DTensor's RNG tracker."""
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
@@ -153,6 +154,40 @@ def _restore_libraries() -> None:
     te_on_cpu = sys.modules.get("accel_fp8_fix.rehearsal.te_on_cpu")
     if te_on_cpu is not None and te_on_cpu.is_installed():
         te_on_cpu.reset_stats()
+    dtensor_random = sys.modules.get("torch.distributed.tensor._random")
+    if dtensor_random is not None:  # DTensor's RNG tracker: made (and synced over the mesh) by a fresh run's first
+        dtensor_random._rng_tracker = None  # random op on a DTensor, as in a fresh interpreter
+    _clear_dtensor_caches()
+
+
+_LRU_CACHE = type(functools.lru_cache(None)(len))
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor's sharding-propagation caches hold the meshes of the run that filled them, and ``DeviceMesh.__eq__``
+    ignores process groups: a later run's equal mesh would get the output specs of a destroyed one, whose group
+    names now resolve to nothing ("Could not resolve the process group registered under the name 29") or to another
+    group of the new run (a hang). Cleared, as a fresh interpreter starts."""
+    dtensor = sys.modules.get("torch.distributed.tensor._api")
+    dispatcher = getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
+    per_thread = getattr(propagator, "propagate_op_sharding", None)
+    if per_thread is not None and hasattr(propagator, "propagate_op_sharding_non_cached"):
+        # a threading.local cache: a new one empties it for every thread (transformers loads in worker threads)
+        propagator.propagate_op_sharding = type(per_thread)(propagator.propagate_op_sharding_non_cached)
+    cached = getattr(propagator, "_propagate_tensor_meta_cached", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    torch = sys.modules.get("torch")
+    clear_fast_path = getattr(getattr(torch, "_C", None), "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_fast_path is not None:  # the C++ dispatch fast path's own cache of the same answers
+        clear_fast_path()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, _LRU_CACHE):
+                value.cache_clear()  # module-level functools caches (_redistribute._gen_transform_infos, ...)
 
 
 def _patches_applied() -> dict:

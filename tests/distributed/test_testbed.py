@@ -140,3 +140,30 @@ def test_a_pooled_error_or_hang_fails_fast_with_every_ranks_report_and_the_pool_
         assert time.monotonic() - start < 30
         assert pool.run(_ranks_report, timeout=120) == [(0, 2, 3.0), (1, 2, 3.0)]
         assert pool.starts == 3
+
+
+def _dtensor_op_mesh(rank, world_size, shift_groups=0):
+    """A DTensor op on a 2-D mesh made in this run: is the output's mesh this run's (and its groups live)?
+    ``shift_groups`` extra groups first, so that this run's group names differ from an earlier run's."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    for _ in range(shift_groups):
+        dist.new_group([0, 1])
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("a", "b"))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Replicate()])
+    out = x + x
+    return {"same_mesh": out.device_mesh is mesh, "value": float(out.to_local().sum())}
+
+
+def test_a_pooled_run_never_gets_an_earlier_runs_mesh_back_from_dtensors_caches():
+    """DTensor caches its sharding answers with the meshes in them, and DeviceMesh equality ignores process groups:
+    without the pool clearing those caches between runs, a later run's equal mesh got a destroyed run's mesh back
+    (its group names then resolve to nothing, or to another group of the new run: the model-zoo hang)."""
+    with RankPool(2, env={"ACCEL_FP8_FIX": "0"}) as pool:
+        first = pool.run(_dtensor_op_mesh, timeout=120)
+        second = pool.run(_dtensor_op_mesh, args=(3,), timeout=120)
+    assert [r["same_mesh"] for r in first] == [True, True]
+    assert second == [{"same_mesh": True, "value": 32.0}] * 2
