@@ -5,11 +5,12 @@ One file declares one patch set, pinned to one version window::
     name = "accelerate-1.13-1.15"
     kind = "fix"                      # "fix" (chosen by version) or "rehearsal" (CPU rehearsal only)
     summary = "..."
+    internals = ["torch_fsdp2"]       # private internals used (accel_fp8_fix/internals/), checked at apply
+    on_error = "accel_fp8_fix.diagnostics.notes:on_error"  # (exc, where, instance, args) for patches with notes
     [requires]                        # must be installed and inside the window
     accelerate = ">=1.13,<1.16"
     [compatible]                      # checked only when installed
     transformer-engine = ">=1.12"
-    on_error = "accel_fp8_fix.diagnostics.notes:on_error"  # (exc, where, instance, args) for patches with notes
     [[patch]]
     target = "accelerate.accelerator:Accelerator.prepare"   # module:attribute.path
     wrapper = "accel_fp8_fix.fixes.prepare:prepare"          # a wrapt wrapper (wrapped, instance, args, kwargs)
@@ -27,7 +28,8 @@ One file declares one patch set, pinned to one version window::
     target = "accelerate.utils.transformer_engine:apply_fp8_autowrap"
     upstream_sha256 = ["8fea42c5efb07129"]
     why = "..."
-    internals = ["torch_fsdp2"]                # private internals used (accel_fp8_fix/internals/), checked at apply
+
+(Top-level keys come before the first table: in TOML a key after ``[requires]`` belongs to that table.)
 
 Selection rule: among the sets of a kind, the one whose windows all contain the installed versions.
 Windows of one kind must not overlap: if several sets match, that is a declaration error, reported

@@ -91,7 +91,8 @@ def _pass_through(wrapped, instance, args, kwargs):
 def with_hooks(spec: PatchSpec, wrapper, on_error=None, on_return=None):
     """``wrapper`` (None: pass the call through) with the declared hooks around it: ``on_return(instance, args,
     kwargs, result)`` after a call returns; ``on_error(exc, spec.notes, instance, args)`` when an exception
-    escapes, which is then re-raised unchanged (a hook that fails is logged, never raised)."""
+    escapes, which is then re-raised unchanged (an ``on_error`` hook that fails is logged, never raised; an
+    ``on_return`` hook's exception propagates: it is part of the call, e.g. prepare's forward notes)."""
     wrapper = wrapper or _pass_through
     on_error = on_error if spec.notes else None
     if on_error is None and on_return is None:

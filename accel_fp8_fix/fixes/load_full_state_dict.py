@@ -1,4 +1,4 @@
-"""``fsdp2_load_full_state_dict`` (cpu_ram_efficient_loading), done right (field notes A5, A6).
+"""``fsdp2_load_full_state_dict`` (cpu_ram_efficient_loading), done right (failures A5, A6: docs/failures.md).
 
 accelerate 1.13-1.15 reads ``.device_mesh`` on every ``model.state_dict()`` entry (plain buffers and TE
 ``_extra_state`` raise ``'Tensor' object has no attribute 'device_mesh'``, A5), broadcasts rank 0's *local*

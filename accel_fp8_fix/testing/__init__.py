@@ -212,9 +212,13 @@ def _collect(procs, tmp: Path, qualname: str, world_size: int, timeout: float, t
             reports.append("collective order (as far as the ranks recorded it):\n  " + "\n  ".join(divergences))
         raise DistributedTestError(head + "\n" + "\n".join(reports), divergences)
     if divergences:
-        what = ("the ranks' collectives diverge" if any(HOOK_PROBLEM not in d for d in divergences)
-                else "collectives were issued inside FSDP2's all-gather extension hooks")
-        raise DistributedTestError(
-            f"{qualname} on {world_size} ranks: {what} (gloo completed the run; NCCL would hang or corrupt it):\n  "
-            + "\n  ".join(divergences), divergences, results)
+        raise _divergence_error(f"{qualname} on {world_size} ranks", divergences, results)
     return results
+
+
+def _divergence_error(who: str, divergences: list, results) -> DistributedTestError:
+    """A run that completed though its collectives diverged (or ran inside FSDP2's all-gather hooks)."""
+    what = ("the ranks' collectives diverge" if any(HOOK_PROBLEM not in d for d in divergences)
+            else "collectives were issued inside FSDP2's all-gather extension hooks")
+    return DistributedTestError(f"{who}: {what} (gloo completed the run; NCCL would hang or corrupt it):\n  "
+                                + "\n  ".join(divergences), divergences, results)

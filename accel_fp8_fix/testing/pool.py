@@ -37,7 +37,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from . import DistributedTestError, _collective_divergences, _importable, _tail, free_port
+from . import DistributedTestError, _collective_divergences, _divergence_error, _importable, _tail, free_port
 
 __all__ = ["RankPool"]
 
@@ -264,9 +264,7 @@ class RankPool:
                 reports.append("collective order (as far as the ranks recorded it):\n  " + "\n  ".join(divergences))
             raise DistributedTestError(head + "\n" + "\n".join(reports), divergences)
         if divergences:
-            raise DistributedTestError(
-                f"{what}: the ranks' collectives diverge (gloo completed the run; NCCL would hang or corrupt it):\n  "
-                + "\n  ".join(divergences), divergences, results)
+            raise _divergence_error(what, divergences, results)
         return results
 
 

@@ -123,7 +123,7 @@ def test_a_hang_reports_the_divergence_that_caused_it():
 
 def test_a_collective_inside_fsdp2s_all_gather_extension_hook_fails_the_run_by_name():
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_in_hook, 2, timeout=60)
+        launcher.run(_in_hook, 2, timeout=60)
     text = str(info.value)
     assert "collectives were issued inside FSDP2's all-gather extension hooks (gloo completed the run" in text
     for rank in (0, 1):

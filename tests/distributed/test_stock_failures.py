@@ -40,7 +40,7 @@ def test_a1_tp_plus_te_prepare_raises_mixed_tensor_dtensor(two):
         error = f["prepare_error"]
         assert error.startswith("RuntimeError: ") and "aten.copy_" in error, error
         assert "mixed torch.Tensor and DTensor" in error, error
-        # ... raised where the field notes say: convert_model's te_module.weight.copy_(module.weight)
+        # ... raised where docs/failures.md (A1) says: convert_model's te_module.weight.copy_(module.weight)
         assert "te_module.weight.copy_(module.weight)" in "\n".join(f["traceback_tail"])
 
 

@@ -65,6 +65,8 @@ def _pid_and_state(rank, world_size, set_env=False):
     import os
 
     import torch
+
+    drawn = float(torch.rand(1))  # before any first import of this run (an import may draw from the RNG)
     import torch.distributed as dist
 
     import accel_fp8_fix
@@ -73,7 +75,7 @@ def _pid_and_state(rank, world_size, set_env=False):
 
     seen = {"pid": os.getpid(), "leftover_env": os.environ.get("ACCEL_FP8_FIX_TESTBED_PROBE"),
             "partial_state": bool(PartialState._shared_state), "patch_set": accel_fp8_fix.report().patch_set,
-            "random": float(torch.rand(1)), "recorded_before": len(collective_order._installed["recorder"].records)}
+            "random": drawn, "recorded_before": len(collective_order._installed["recorder"].records)}
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     seen["sum"] = float(t)
@@ -108,7 +110,8 @@ def test_a_pool_runs_many_launches_in_the_same_interpreters_each_as_a_fresh_one_
         assert after["sum"] == 3.0 and after["recorded_before"] == 0  # a fresh group, a fresh audit per run
         assert after["leftover_env"] is None and not after["partial_state"]  # env and accelerate's state put back
         assert after["patch_set"] == before["patch_set"] == new["patch_set"] == "accelerate-1.13-1.15"  # re-applied
-        assert after["random"] == before["random"] == new["random"]  # torch's RNG reseeded as at start-up
+        assert after["random"] == before["random"]  # torch's RNG put back to its start-up state
+        # (not compared with the fresh run: torch >= 2.13 seeds each new process's default generator at random)
 
 
 def test_a_run_that_leaves_a_patch_or_a_thread_fails_naming_it_and_the_pool_is_rebuilt():

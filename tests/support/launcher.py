@@ -42,9 +42,14 @@ def pool_for(world_size: int, env: dict | None) -> RankPool:
         return _POOLS[key]
     while len(_POOLS) >= _max_alive():
         _retire(_POOLS.popitem(last=False)[1])
-    rehearsal = env.get("ACCEL_FP8_FIX_REHEARSAL", "0") not in ("", "0")
-    _POOLS[key] = RankPool(world_size, env=env, preload=PRELOAD + (PRELOAD_TE if rehearsal else ()))
+    _POOLS[key] = RankPool(world_size, env=env, preload=preload_for(env))
     return _POOLS[key]
+
+
+def preload_for(env: dict) -> tuple:
+    """What a pool's ranks import before their baseline (and so what its first run finds imported)."""
+    rehearsal = env.get("ACCEL_FP8_FIX_REHEARSAL", "0") not in ("", "0")
+    return PRELOAD + (PRELOAD_TE if rehearsal else ())
 
 
 def run(fn, world_size: int, *, args: tuple = (), env: dict | None = None, timeout: float = 150.0,

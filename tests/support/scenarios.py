@@ -236,7 +236,7 @@ def shard_llama_tp(model, mesh_tp):
     """Shard ``model`` with transformers 5.x tensor parallelism on ``mesh_tp`` (1-D, on its own ranks).
 
     Uses ``transformers.distributed.tensor_parallel.apply_tensor_parallelism`` with the model's own TP plan
-    (``from_pretrained(tp_plan=...)`` shards over the whole world on CPU, see field notes) and records the
+    (``from_pretrained(tp_plan=...)`` shards over the whole world on CPU, docs/failures.md A18) and records the
     TP degree where accelerate's ``get_model_tp_size`` looks (``model.tp_size`` -> ``model._tp_size``).
     """
     from transformers.distributed.configuration_utils import DistributedConfig
@@ -837,6 +837,10 @@ def run_entries(rank, world_size, entries):
 
     from accel_fp8_fix.testing import free_port, isolation
 
+    from support import launcher
+
+    for preloaded in launcher.preload_for(dict(os.environ)):  # a pool's baseline: its ranks import these first
+        importlib.import_module(preloaded)  # (with accelerate imported, the patch set is active in the baseline)
     baseline, out = isolation.Baseline.capture(), []
     for i, (module, name, kwargs) in enumerate(entries):
         out.append(run_plan(importlib.import_module(module), rank, world_size, [(name, kwargs)])[name])
