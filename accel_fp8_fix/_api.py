@@ -80,7 +80,55 @@ def choose_patch_set(kind: str = "fix", versions: dict | None = None) -> Selecti
         by_name = {s.name: s for s in sets if s.kind == kind}
         chosen = by_name[forced]
         return Selection(kind, chosen, f"forced by ACCEL_FP8_FIX_PATCH_SET={forced}", versions or {}, [chosen])
-    return select_patch_set(sets, kind, versions)
+    selection = select_patch_set(sets, kind, versions)
+    if kind == "fix" and not selection.supported and selection.reason.startswith("unsupported versions"):
+        return _untested(selection) or selection
+    return selection
+
+
+def _would_try(selection: Selection) -> str:
+    candidate = untested_candidate(selection)
+    if candidate is None:
+        return ""
+    chosen, _ = candidate
+    return (f"; ACCEL_FP8_FIX_ALLOW_UNTESTED=1 would try {chosen.name}, applied only if its apply-time checks pass "
+            f"({verified(chosen)})")
+
+
+def untested_candidate(selection: Selection):
+    """(the newest set whose only misfits are releases newer than its windows, those releases) or None."""
+    from packaging.version import Version
+
+    fits = [(s, s.newer_only(selection.versions)) for s in selection.candidates]
+    fits = [(s, newer) for s, newer in fits if newer]
+    if not fits:
+        return None
+    return max(fits, key=lambda pair: [max((Version(one.version) for one in spec if one.operator in ("<", "<=")),
+                                           default=Version("0")) for spec in pair[0].requires.values()])
+
+
+def _untested(selection: Selection):
+    """``ACCEL_FP8_FIX_ALLOW_UNTESTED=1``: the newest set over releases newer than its windows (never older)."""
+    from .engine.declarations import Selection
+
+    candidate = untested_candidate(selection)
+    if candidate is None:
+        return None
+    if not settings.get("ACCEL_FP8_FIX_ALLOW_UNTESTED"):
+        return Selection("fix", None, selection.reason + _would_try(selection), selection.versions,
+                         selection.candidates)
+    chosen, newer = candidate
+    return Selection("fix", chosen, f"UNTESTED: newer than its window: {', '.join(newer)}; "
+                     f"ACCEL_FP8_FIX_ALLOW_UNTESTED=1 applies {chosen.name} only if every apply-time check passes "
+                     f"({verified(chosen)})", selection.versions, selection.candidates)
+
+
+def verified(patch_set) -> str:
+    """What the apply-time checks of ``patch_set`` verify, counted from its declaration."""
+    hashed = sum(1 for p in patch_set.patches if p.upstream_sha256) + len(patch_set.watches)
+    signatures = sum(1 for p in patch_set.patches if p.signature)
+    return (f"{signatures} signatures, {hashed} upstream sources by sha256, the internals of "
+            f"{len(patch_set.internals)} libraries: {', '.join(patch_set.internals)}")
 
 
 def engine_for(patch_set: PatchSet) -> Engine:
@@ -145,6 +193,10 @@ def _select_and_apply() -> None:
         return
     _state.engine = engine_for(selection.patch_set)
     _state.engine.activate(strict=_state.strict)
+    if selection.reason.startswith("UNTESTED") and _state.engine.applied:
+        from ._log import warn_user
+
+        warn_user(f"accel_fp8_fix: running on an untested release, every apply-time check passed: {selection.reason}")
 
 
 def deactivate():

@@ -142,6 +142,9 @@ REGISTRY: dict = {s.name: s for s in (
             "UnsupportedVersionError instead of a warning", default="off"),
     Setting("ACCEL_FP8_FIX_PATCH_SET", "enum", "use this patch set (by name) whatever the installed versions",
             choices=_patch_sets, case_sensitive=True, default="chosen from the installed versions"),
+    Setting("ACCEL_FP8_FIX_ALLOW_UNTESTED", "bool", "on: a torch / accelerate / Transformer Engine release newer "
+            "than every window (never an older one) gets the newest set whose only misfits are such releases, "
+            "applied only if every apply-time check passes, and said once", default="off"),
     Setting(REHEARSAL, "bool", "on: the CPU rehearsal (Transformer Engine's Python over a CPU kernel shim, "
             "accelerate's CPU gates opened); install: " + REHEARSAL_INSTALL + " (from a checkout)", default="off"),
     Setting("ACCEL_FP8_FIX_EMULATE_TE", "bool", f"deprecated name of {REHEARSAL} (read when that is unset, with a "

@@ -41,14 +41,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from .versions import installed_versions, parse
-
-if TYPE_CHECKING:
-    from packaging.specifiers import SpecifierSet
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -114,6 +112,26 @@ class PatchSet:
             if found is not None and not _contains(spec, found):
                 problems.append(f"{name} {found} is outside {spec}")
         return problems
+
+
+    def newer_only(self, versions: dict[str, str | None]) -> list[str]:
+        """When every mismatch is a release newer than its window (above every upper bound, none older, nothing
+        missing): those ``"torch 2.16.0 (window <2.16,>=2.11)"``; else empty."""
+        newer = []
+        for name, spec in {**self.requires, **self.compatible}.items():
+            found = versions.get(name)
+            if found is None:
+                if name in self.requires:
+                    return []
+                continue
+            if _contains(spec, found):
+                continue
+            parsed, uppers = parse(found), [Version(one.version) for one in spec if one.operator in ("<", "<=")]
+            others_hold = all(_contains(SpecifierSet(str(one)), found) for one in spec if one.operator not in ("<", "<="))
+            if parsed is None or not uppers or not others_hold or any(parsed < upper for upper in uppers):
+                return []
+            newer.append(f"{name} {found} (window {spec})")
+        return newer
 
 
 def _contains(spec: SpecifierSet, version: str) -> bool:
