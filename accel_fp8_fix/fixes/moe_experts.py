@@ -10,7 +10,8 @@ experts module gets a forward that
   (``te_gate_up``, ``te_down``), left out of exports like every TE module's (fixes/checkpoint.py);
 - sorts the (token, expert) pairs by expert (within an expert: by top-k slot, then token — transformers' order),
   counts the rows per expert (``m_splits``, zeros allowed) and, under FP8, pads each expert's rows to the FP8 row
-  multiple (16; 32 for MXFP8) with zero rows, unpadded after each GEMM;
+  multiple (TE's ``get_align_size_for_quantization``: 16, 32 for MXFP8, 128 for NVFP4) with zero rows, unpadded
+  after each GEMM;
 - runs both expert GEMMs as one ``te.GroupedLinear(num_gemms=E)`` each, on per-expert views of the (unsharded)
   3-D parameter: ``gate_up_proj[e]`` is ``[2I, H]`` = TE's ``[out, in]``; the views are handed to TE for the
   call only (internals/transformer_engine.py), so autograd returns each expert's weight gradient to the 3-D
@@ -154,7 +155,14 @@ def _fp8_row_multiple() -> int | None:
     manager = te_internals.fp8_global_state()
     if not manager.is_fp8_enabled():
         return None
-    return max(FP8_LAST_MULTIPLE, recipe_multiples(manager.get_fp8_recipe())[0])
+    return expert_row_multiple(manager.get_fp8_recipe())
+
+
+def expert_row_multiple(recipe) -> int:
+    """Rows each expert is padded to under ``recipe``: TE's own alignment where TE says it (NVFP4: 128), else the
+    recipe's GEMM token multiple (at least 16)."""
+    align = te_internals.align_size_for_quantization(recipe)
+    return align if align is not None else max(FP8_LAST_MULTIPLE, recipe_multiples(recipe)[0])
 
 
 def _routing(top_k_index, num_experts: int, align: int | None):

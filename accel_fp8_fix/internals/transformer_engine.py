@@ -169,6 +169,13 @@ def fp8_global_state():
     return _quantization().FP8GlobalStateManager
 
 
+def align_size_for_quantization(recipe) -> int | None:
+    """TE's own row alignment of grouped quantized GEMMs for ``recipe`` (``get_align_size_for_quantization``:
+    16, MXFP8 32, NVFP4 128, a custom recipe's ``quantization_alignment``); None on a TE without it."""
+    align = getattr(_quantization(), "get_align_size_for_quantization", None)
+    return int(align(recipe)) if align is not None else None
+
+
 def support_check(check_name: str):
     """TE's ``check_*_support`` function named ``check_name`` (``() -> (available, reason)``), or None for a TE
     without it."""

@@ -254,7 +254,22 @@ def sc_single(rank, world_size, family):
 def sc_mxfp8_padding(rank, world_size):
     """MXFP8 (Blackwell, ACCEL_FP8_FIX_CPU_TE_ARCH=sm100): every expert's rows padded to 32."""
     warnings.simplefilter("ignore")
-    return _experts_case("qwen3_moe", zero_experts=(2,), recipes=("mxfp8",))
+    out = _experts_case("qwen3_moe", zero_experts=(2,), recipes=("mxfp8",))
+    out["row_multiples"] = _row_multiples()
+    return out
+
+
+def _row_multiples() -> dict:
+    """{recipe: (the package's expert row multiple, TE's get_align_size_for_quantization)} for every built-in
+    recipe (the sm100 target: NVFP4 exists there)."""
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch.quantization import get_align_size_for_quantization
+
+    from accel_fp8_fix.fixes.moe_experts import expert_row_multiple
+
+    recipes = {"delayed": R.DelayedScaling(), "current": R.Float8CurrentScaling(), "block": R.Float8BlockScaling(),
+               "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}
+    return {name: [expert_row_multiple(r), get_align_size_for_quantization(r)] for name, r in recipes.items()}
 
 
 # -- distributed -------------------------------------------------------------------------------------------

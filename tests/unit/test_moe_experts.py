@@ -163,3 +163,11 @@ def test_expert_parallel_and_odd_dims_are_refused_by_name():
     assert converted == [] and "expert parallelism" in reasons["model.layers.0.mlp.experts"]
     assert "multiples of 128" in reasons["model.layers.1.mlp.experts"]
     assert isinstance(model.model.layers[1].mlp.experts.gate_up_proj, nn.Parameter)
+
+
+def test_expert_padding_is_tes_alignment_for_every_built_in_recipe(mxfp8):
+    """issue 28: the package padded NVFP4 experts to 16 rows where TE aligns grouped quantized GEMMs to 128
+    (``get_align_size_for_quantization``); now it asks TE, recipe by recipe."""
+    multiples = mxfp8["row_multiples"]
+    assert multiples == {"delayed": [16, 16], "current": [16, 16], "block": [16, 16], "mxfp8": [32, 32],
+                         "nvfp4": [128, 128]}
