@@ -32,6 +32,52 @@ def missing_from_sources(root, sources, version: str) -> list[str]:
     return problems
 
 
+def block_sha256(source: str, qualname: str) -> str | None:
+    """First 16 hex digits of the sha256 of the ``def`` block ``qualname`` (``Class.method`` or ``function``) in
+    ``source``: its ``def`` line to its last line (the next line indented no deeper ends it), decorators excluded,
+    trailing blank lines dropped. None when there is no such block. Read as text, never imported."""
+    import hashlib
+
+    lines = source.splitlines(keepends=True)
+    *owners, name = qualname.split(".")
+    start, indent = 0, ""
+    for owner in owners:  # narrow to the class body
+        for i in range(start, len(lines)):
+            if lines[i].startswith(f"{indent}class {owner}(") or lines[i].startswith(f"{indent}class {owner}:"):
+                start, indent = i + 1, indent + "    "
+                break
+        else:
+            return None
+    for i in range(start, len(lines)):
+        if lines[i].startswith(f"{indent}def {name}(") or lines[i].startswith(f"{indent}async def {name}("):
+            end = i + 1
+            while end < len(lines) and (not lines[end].strip() or lines[end].startswith(indent + " ")
+                                        or lines[end].startswith(indent + "\t")):
+                end += 1
+            block = lines[i:end]
+            while block and not block[-1].strip():
+                block.pop()
+            return hashlib.sha256("".join(block).encode()).hexdigest()[:16]
+    return None
+
+
+def changed_blocks(root, hashed: dict, version: str) -> list[str]:
+    """Problems for each ``(file under root, qualname): {release: sha256}`` of ``hashed`` whose block is gone or
+    hashes to none of the releases' — the check that tells "unchanged" from "still mentions a string"."""
+    problems = []
+    for (name, qualname), known in hashed.items():
+        try:
+            found = block_sha256((root / name).read_text(), qualname)
+        except OSError:
+            found = None
+        if found is None:
+            problems.append(f"{version}: {root.name}/{name}: {qualname} is gone")
+        elif found not in known.values():
+            problems.append(f"{version}: {root.name}/{name}: {qualname} changed (source sha256 {found}; written "
+                            f"against {', '.join(f'{v} {h}' for v, h in sorted(known.items()))})")
+    return problems
+
+
 def package_root(name: str):
     """The folder of an installed package, found without importing it (None when absent)."""
     import importlib.util

@@ -42,17 +42,53 @@ FP8_ALL_GATHER_SOURCES = (
 )
 
 
-def check(versions) -> list[str]:
-    from . import check_sources
+# Functions the fixes rely on the behaviour of, hashed per release of the window (``block_sha256``: their source
+# text, read not imported; ``python scripts/source_hashes.py`` prints them for a torch source tree or wheel). A
+# text check above says an internal is still mentioned; these say it is unchanged — an untested torch
+# (ACCEL_FP8_FIX_ALLOW_UNTESTED) is refused by name when one of them hashes to none of the releases'.
+_UNCHANGED = "8a9c0beb265e7a3a"
+HASHED = {  # te_convert moves a parameter's module record; FSDP2 swaps parameters through it
+    ("_fsdp_param.py", "FSDPParam._setattr_on_modules"): {
+        "2.11.0": _UNCHANGED, "2.12.1": _UNCHANGED, "2.13.0": _UNCHANGED, "2.14.1": _UNCHANGED, "2.15.0": _UNCHANGED},
+}
+FP8_ALL_GATHER_HASHED = {  # fixes/fp8_all_gather.py re-runs _init_extensions' set-up and relies on the rest
+    ("_fsdp_param.py", "FSDPParam._init_extensions"): {
+        "2.11.0": "7acdd637b487951c", "2.12.1": "7acdd637b487951c", "2.13.0": "7acdd637b487951c",
+        "2.14.1": "7acdd637b487951c", "2.15.0": "7bf883bb18abd559"},
+    ("_fsdp_param.py", "FSDPParam.reset_sharded_param"): {
+        "2.11.0": "f911cdb84d020fc3", "2.12.1": "f911cdb84d020fc3", "2.13.0": "f911cdb84d020fc3",
+        "2.14.1": "f911cdb84d020fc3", "2.15.0": "953ad7b1e15dec46"},
+    ("_fsdp_param.py", "FSDPParam.all_gather_inputs"): {
+        "2.11.0": "a552b84d46bd9443", "2.12.1": "b5729d12141f80e2", "2.13.0": "b5729d12141f80e2",
+        "2.14.1": "b5729d12141f80e2", "2.15.0": "b5729d12141f80e2"},
+    ("_fsdp_param_group.py", "FSDPParamGroup.wait_for_unshard"): {  # the world-size-1 shortcut
+        "2.11.0": "92c196c60683a329", "2.12.1": "92c196c60683a329", "2.13.0": "6a15ab87f2f3a2ab",
+        "2.14.1": "6a15ab87f2f3a2ab", "2.15.0": "fda580862090cb5f"},
+    ("_fsdp_state.py", "FSDPState._lazy_init"): {
+        "2.11.0": "fda7452a5ed72ee1", "2.12.1": "7e3dd80ccd33573a", "2.13.0": "7e3dd80ccd33573a",
+        "2.14.1": "7e3dd80ccd33573a", "2.15.0": "03d126039c230efa"},
+}
+FSDP2_FOLDER = "distributed/fsdp/_fully_shard"
 
-    return check_sources("torch", versions, _SOURCES, "distributed/fsdp/_fully_shard")
+
+def _checked(versions, sources, hashed) -> list[str]:
+    from . import changed_blocks, check_sources, package_root
+
+    problems = check_sources("torch", versions, sources, FSDP2_FOLDER)
+    root = package_root("torch")
+    if root is not None and not problems:
+        problems = changed_blocks(root / FSDP2_FOLDER, hashed, f"torch {versions.get('torch')}")
+    return problems
+
+
+def check(versions) -> list[str]:
+    return _checked(versions, _SOURCES, HASHED)
 
 
 def fp8_all_gather_missing(versions) -> list[str]:
-    """What the FP8 all-gather needs of the installed torch's FSDP2 and is not there (empty: all there)."""
-    from . import check_sources
-
-    return check_sources("torch", versions, FP8_ALL_GATHER_SOURCES, "distributed/fsdp/_fully_shard")
+    """What the FP8 all-gather needs of the installed torch's FSDP2 and is not there or changed (empty: all
+    there, unchanged)."""
+    return _checked(versions, FP8_ALL_GATHER_SOURCES, FP8_ALL_GATHER_HASHED)
 
 
 def fsdp_params(model) -> list:

@@ -114,3 +114,47 @@ def test_a_renamed_te_internal_refuses_the_whole_set_naming_it_and_the_te_versio
     assert (f"transformer-engine {TE}: internal 'def checkpoint_renamed(' is gone from "
             "transformer_engine/pytorch/distributed.py") in got["error"]
     assert not te_imported  # the check reads TE's source, it never imports TE
+
+
+# -- hashed torch functions (issue 32 item 3): "unchanged", not only "still mentioned" -----------------------------
+def _fsdp2_copy(tmp_path):
+    from accel_fp8_fix.internals import package_root
+    from accel_fp8_fix.internals.torch_fsdp2 import FSDP2_FOLDER
+
+    source = package_root("torch") / FSDP2_FOLDER
+    copy = tmp_path / "_fully_shard"
+    copy.mkdir()
+    for name in ("_fsdp_param.py", "_fsdp_param_group.py", "_fsdp_state.py", "_fsdp_common.py"):
+        (copy / name).write_text((source / name).read_text())
+    return copy
+
+
+def test_the_installed_torchs_watched_functions_hash_to_its_own_recorded_release(tmp_path):
+    from importlib.metadata import version
+
+    from accel_fp8_fix.internals import block_sha256
+    from accel_fp8_fix.internals.torch_fsdp2 import FP8_ALL_GATHER_HASHED, HASHED
+
+    installed = version("torch").split("+")[0]
+    copy = _fsdp2_copy(tmp_path)
+    for (name, qualname), known in {**HASHED, **FP8_ALL_GATHER_HASHED}.items():
+        assert installed in known, f"{qualname}: no hash recorded for the suite's torch {installed}"
+        assert block_sha256((copy / name).read_text(), qualname) == known[installed], qualname
+
+
+def test_a_changed_watched_function_is_named_where_a_string_check_still_passes(tmp_path):
+    from accel_fp8_fix.internals import changed_blocks, missing_from_sources
+    from accel_fp8_fix.internals.torch_fsdp2 import FP8_ALL_GATHER_HASHED, FP8_ALL_GATHER_SOURCES
+
+    copy = _fsdp2_copy(tmp_path)
+    assert changed_blocks(copy, FP8_ALL_GATHER_HASHED, "torch 9.9") == []
+    text = (copy / "_fsdp_param.py").read_text()
+    marker = "    def _init_extensions(self) -> None:\n"
+    assert marker in text
+    (copy / "_fsdp_param.py").write_text(text.replace(marker, marker + "        self._new_release_flag = True\n"))
+    assert missing_from_sources(copy, FP8_ALL_GATHER_SOURCES, "torch 9.9") == []  # every string still there
+    (problem,) = changed_blocks(copy, FP8_ALL_GATHER_HASHED, "torch 9.9")
+    assert problem.startswith("torch 9.9: _fully_shard/_fsdp_param.py: FSDPParam._init_extensions changed (source "
+                              "sha256 ") and "2.15.0 7bf883bb18abd559" in problem
+    (copy / "_fsdp_param.py").write_text(text.replace(marker, ""))
+    assert any("FSDPParam._init_extensions is gone" in p for p in changed_blocks(copy, FP8_ALL_GATHER_HASHED, "torch 9.9"))
