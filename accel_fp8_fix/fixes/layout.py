@@ -118,13 +118,15 @@ def check_accelerator_kwargs(kwargs: dict, environ=None) -> None:
     the layout to use instead of a combination accelerate refuses."""
     environ = os.environ if environ is None else environ
     pc = kwargs.get("parallelism_config")
+    # an unknown dimension matters to the FP8 fixes only: a bf16 / no-TE run stays exactly stock
+    fp8 = str(kwargs.get("mixed_precision") or environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower() == "fp8"
     if pc is not None:
-        unknown = unknown_sizes(_instance_sizes(pc))
+        unknown = unknown_sizes(_instance_sizes(pc)) if fp8 else {}
         if unknown:
             raise ValueError(unknown_sizes_message(unknown, f"{type(pc).__name__}.{{key}}_size"))
         sizes = {k: getattr(pc, f"{k}_size", 1) for k in SIZE_KEYS}
     elif str(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true":
-        unknown = _env_unknown_sizes(environ)
+        unknown = _env_unknown_sizes(environ) if fp8 else {}
         if unknown:
             raise ValueError(unknown_sizes_message(unknown, "PARALLELISM_CONFIG_{KEY}_SIZE"))
         sizes = _env_sizes(environ)
@@ -142,11 +144,8 @@ def check_accelerator_kwargs(kwargs: dict, environ=None) -> None:
 
 def parallelism_config_post_init(wrapped, instance, args, kwargs):
     """``ParallelismConfig.__post_init__``: a size combination accelerate refuses here (``dp_replicate x tp`` or
-    ``x cp`` without ``dp_shard``) raises with the layout to use instead, before accelerate's own message; so does
-    a size this package does not know (:func:`unknown_sizes`)."""
-    unknown = unknown_sizes(_instance_sizes(instance))
-    if unknown:
-        raise ValueError(unknown_sizes_message(unknown, f"{type(instance).__name__}.{{key}}_size"))
+    ``x cp`` without ``dp_shard``) raises with the layout to use instead, before accelerate's own message. (A size
+    this package does not know is refused at ``Accelerator()`` with FP8 on, where the precision is known.)"""
     sizes = {k: getattr(instance, f"{k}_size", None) for k in SIZE_KEYS}
     env = _env_sizes(os.environ)
     sizes = {k: (v if v is not None else env[k]) for k, v in sizes.items()}
