@@ -123,10 +123,30 @@ def slowest(tests: list[dict], n: int = 15) -> list[str]:
 def render(out: Path, wall: float | None) -> str:
     tests = read_junit(out / "junit.xml")
     profile = out / "profile.jsonl"
-    launches = [json.loads(line) for line in profile.read_text().splitlines()] if profile.exists() else []
+    lines = [json.loads(line) for line in profile.read_text().splitlines()] if profile.exists() else []
+    launches = [line for line in lines if "retire" not in line]
     stamp = time.strftime("%Y-%m-%d")
     return "\n".join([f"Measured {stamp} (`python scripts/suite_profile.py`): " + totals(tests, launches, wall)[0],
-                      "", *file_table(tests, launches), "", *slowest(tests)])
+                      "", *file_table(tests, launches), "", *pool_table(lines), "", *slowest(tests)])
+
+
+def pool_table(lines: list[dict]) -> list[str]:
+    """Per pool (world size, environment): its starts, the seconds they took, and why it closed each time."""
+    pools: dict[tuple, dict] = defaultdict(lambda: {"starts": 0, "start_s": 0.0, "closed": defaultdict(int)})
+    for line in lines:
+        if "pool_env" not in line:
+            continue
+        key = (line["world_size"], json.dumps(line["pool_env"], sort_keys=True))
+        if "retire" in line:
+            pools[key]["closed"][line["retire"]] += 1
+        elif line.get("pool_start_s"):
+            pools[key]["starts"] += 1
+            pools[key]["start_s"] += line["pool_start_s"]
+    rows = ["| pool (ranks, environment) | starts | start s | closed because |", "|---|---|---|---|"]
+    for (ranks, env), p in sorted(pools.items(), key=lambda kv: -kv[1]["start_s"]):
+        closed = ", ".join(f"{why} x{n}" for why, n in sorted(p["closed"].items()))
+        rows.append(f"| {ranks}, `{env}` | {p['starts']} | {p['start_s']:.0f} | {closed} |")
+    return rows
 
 
 def write_docs(text: str) -> None:

@@ -218,7 +218,7 @@ class RankPool:
                 return self._results(replies, offsets, what, timeout, timed_out, Path(tmp), audit_collectives)
             finally:
                 _profile_pooled(f"{module}.{fn.__qualname__}", self.world_size, started, replies, start_s,
-                                self._import_s)
+                                self._import_s, self.env)
 
     def _replies(self, timeout: float) -> tuple[dict, bool]:
         """{rank: reply} of the ranks that answered; True when the deadline passed first."""
@@ -269,7 +269,7 @@ class RankPool:
 
 
 def _profile_pooled(what: str, world_size: int, started: float, replies: dict, start_s: float,
-                    import_s: list) -> None:
+                    import_s: list, pool_env: dict) -> None:
     """With ACCEL_FP8_FIX_TEST_PROFILE=FILE: one JSON line per pooled run (scripts/suite_profile.py); a run that
     (re)started the pool carries the start's wall seconds and each rank's import seconds."""
     out = os.environ.get("ACCEL_FP8_FIX_TEST_PROFILE")
@@ -280,6 +280,6 @@ def _profile_pooled(what: str, world_size: int, started: float, replies: dict, s
     ranks = [replies.get(rank, {}).get("timing") for rank in range(world_size)]
     line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "what": what, "world_size": world_size,
             "started": started, "ended": time.time(), "ranks": ranks, "pooled": True,
-            "pool_start_s": start_s, "pool_import_s": import_s if start_s else None}
+            "pool_start_s": start_s, "pool_import_s": import_s if start_s else None, "pool_env": pool_env}
     with open(out, "a") as fh:
         fh.write(json.dumps(line) + "\n")

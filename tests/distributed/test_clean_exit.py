@@ -5,6 +5,10 @@ transformers Qwen2, a few steps, no `end_training()`) is launched repeatedly; ev
 "terminate called" in its output. Without the fix, gloo's worker threads race interpreter teardown and a
 finished worker aborts now and then (SIGABRT, exit 1; more often with a collective still in flight at the end
 and under load: half the launches here end that way, with a busy loop beside them).
+
+The suite launches it 4 times (each way twice: exit 0 is asserted every time); the abort *rate* is a measurement,
+not a suite test: ``ACCEL_FP8_FIX_CLEAN_EXIT_LAUNCHES=40 bash scripts/loaded.sh --heavy python -m pytest -q
+tests/distributed/test_clean_exit.py`` (and ``ACCEL_FP8_FIX_CLEAN_EXIT_SHOW_STOCK=1`` for the stock rate beside it).
 """
 
 import os
@@ -17,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "clean_exit_script.py"
-LAUNCHES = int(os.environ.get("ACCEL_FP8_FIX_CLEAN_EXIT_LAUNCHES", "10"))
+LAUNCHES = int(os.environ.get("ACCEL_FP8_FIX_CLEAN_EXIT_LAUNCHES", "4"))
 
 CONFIG = """\
 compute_environment: LOCAL_MACHINE

@@ -51,17 +51,49 @@ def _eligible(plan: list) -> list[int]:
 
 
 def choices(turn: int | None = None) -> list[dict]:
-    """Per test file: the launch and the scenario of its plan this rotation checks."""
+    """Per test file: the launch and the scenario of its plan this rotation checks.
+
+    Each chosen (world size, environment, audit) costs a fresh launch of its own, so the files share as few of them
+    as the rotation allows: one file leads (``turn % files``) and its pick (``turn // files``-th of its eligible
+    scenarios: every scenario of every file leads on some day) stands whatever its launch's environment; the
+    others pick, by the rotation, among their scenarios in the environments already chosen, and a file with none
+    there adds the environment most of the still uncovered files can use."""
     turn = rotation() if turn is None else turn
-    chosen = []
+    files = []
     for file, launches in sorted(RECORDS.items()):
         candidates = [(launch, i) for launch in launches for i in _eligible(launch["plan"])]
-        if not candidates:
-            continue
-        launch, i = candidates[turn % len(candidates)]
+        if candidates:
+            files.append((file, candidates))
+    if not files:
+        return []
+    lead = turn % len(files)
+    lead_candidates = files[lead][1]
+    lead_pick = lead_candidates[(turn // len(files)) % len(lead_candidates)]
+    used = {_group_key(lead_pick[0])}
+    while True:
+        uncovered = [c for f, (_, c) in enumerate(files)
+                     if f != lead and not any(_group_key(launch) in used for launch, _ in c)]
+        if not uncovered:
+            break
+        usable = sorted({key for c in uncovered for key in {_group_key(launch) for launch, _ in c}})
+        shift = turn % len(usable)
+        usable = usable[shift:] + usable[:shift]  # ties go round with the rotation
+        used.add(max(usable, key=lambda key: sum(any(_group_key(launch) == key for launch, _ in c)
+                                                  for c in uncovered)))
+    chosen = []
+    for f, (file, candidates) in enumerate(files):
+        if f == lead:
+            launch, i = lead_pick
+        else:
+            mine = [(launch, i) for launch, i in candidates if _group_key(launch) in used]
+            launch, i = mine[turn % len(mine)]
         name, kwargs = launch["plan"][i]
         chosen.append({"file": file, "launch": launch, "index": i, "name": name, "kwargs": kwargs or {}})
     return chosen
+
+
+def _group_key(launch: dict) -> tuple:
+    return (launch["world_size"], json.dumps(launch["env"], sort_keys=True), launch["audit"])
 
 
 def groups(chosen: list[dict], turn: int | None = None) -> dict[tuple, list[dict]]:
@@ -69,9 +101,7 @@ def groups(chosen: list[dict], turn: int | None = None) -> dict[tuple, list[dict
     turn = rotation() if turn is None else turn
     out: dict[tuple, list[dict]] = {}
     for c in chosen:
-        launch = c["launch"]
-        key = (launch["world_size"], json.dumps(launch["env"], sort_keys=True), launch["audit"])
-        out.setdefault(key, []).append(c)
+        out.setdefault(_group_key(c["launch"]), []).append(c)
     for key, members in out.items():
         shift = turn % len(members)
         out[key] = members[shift:] + members[:shift]

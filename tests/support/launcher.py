@@ -5,8 +5,11 @@ world size and environment, kept for the pytest session.
 accelerate, transformers and Transformer Engine once per session instead of once per launch. What a pool cannot
 give (an interpreter's start-up and exit: the ``.pth`` activation, exit status, ``accelerate launch``) is tested
 with ``run_distributed`` or subprocesses directly. ``ACCEL_FP8_FIX_TEST_POOL=0`` makes ``run`` start fresh
-interpreters every time (the suite as it ran before pools); ``ACCEL_FP8_FIX_TEST_POOLS`` (default 4) is how many
-pools stay alive at once (the least recently used is closed: each 4-rank pool holds ~2 GB).
+interpreters every time (the suite as it ran before pools); ``ACCEL_FP8_FIX_TEST_POOLS`` (default 6) and
+``ACCEL_FP8_FIX_TEST_POOL_RANKS`` (default 14) are how many pools and how many ranks stay alive at once (an idle
+rank holds ~0.5-0.7 GB); past either, the pool with the fewest runs so far is closed (the least recently used
+among equals): the suite's main environments serve most files, and closing them by recency alone restarted each
+of them three times a session.
 """
 
 from __future__ import annotations
@@ -30,7 +33,20 @@ def pooled() -> bool:
 
 
 def _max_alive() -> int:
-    return max(int(os.environ.get("ACCEL_FP8_FIX_TEST_POOLS", "4")), 1)
+    return max(int(os.environ.get("ACCEL_FP8_FIX_TEST_POOLS", "6")), 1)
+
+
+def _max_ranks() -> int:
+    return max(int(os.environ.get("ACCEL_FP8_FIX_TEST_POOL_RANKS", "14")), 1)
+
+
+def _make_room(world_size: int) -> None:
+    """Close pools until one of ``world_size`` more ranks fits: the fewest runs first, then the least recent."""
+    while _POOLS and (len(_POOLS) >= _max_alive()
+                      or sum(p.world_size for p in _POOLS.values()) + world_size > _max_ranks()):
+        order = list(_POOLS)  # least recently used first
+        victim = min(order, key=lambda key: (_POOLS[key].runs, order.index(key)))
+        _retire(_POOLS.pop(victim), "fewest runs")
 
 
 def pool_for(world_size: int, env: dict | None) -> RankPool:
@@ -40,8 +56,7 @@ def pool_for(world_size: int, env: dict | None) -> RankPool:
     if key in _POOLS:
         _POOLS.move_to_end(key)
         return _POOLS[key]
-    while len(_POOLS) >= _max_alive():
-        _retire(_POOLS.popitem(last=False)[1])
+    _make_room(world_size)
     _POOLS[key] = RankPool(world_size, env=env, preload=preload_for(env))
     return _POOLS[key]
 
@@ -71,10 +86,11 @@ def retire(world_size: int, env: dict | None) -> None:
     """Close the pool of ``world_size`` and ``env`` (its next run starts new ranks)."""
     pool = _POOLS.pop((world_size, json.dumps(dict(env or {}), sort_keys=True)), None)
     if pool is not None:
-        _retire(pool)
+        _retire(pool, "retired")
 
 
-def _retire(pool: RankPool) -> None:
+def _retire(pool: RankPool, why: str) -> None:
+    _note_retire(pool, why)
     STATS["pools"] += 1
     STATS["starts"] += pool.starts
     STATS["start_s"] += pool.start_seconds
@@ -85,5 +101,14 @@ def close_all() -> dict:
     """Close every pool (end of the session); the session's figures: runs (pooled and fresh), pools, rank starts
     and the seconds spent starting them."""
     while _POOLS:
-        _retire(_POOLS.popitem(last=False)[1])
+        _retire(_POOLS.popitem(last=False)[1], "end of session")
     return dict(STATS)
+
+
+def _note_retire(pool: RankPool, why: str) -> None:
+    """With ACCEL_FP8_FIX_TEST_PROFILE=FILE: a line saying which pool closed and why (scripts/suite_profile.py)."""
+    out = os.environ.get("ACCEL_FP8_FIX_TEST_PROFILE")
+    if out:
+        with open(out, "a") as fh:
+            fh.write(json.dumps({"retire": why, "world_size": pool.world_size, "pool_env": pool.env,
+                                 "test": os.environ.get("PYTEST_CURRENT_TEST", ""), "runs": pool.runs}) + "\n")

@@ -4,6 +4,7 @@ checked where first seen (doctor, ``te_recipe_kwargs``, ``Accelerator()``), malf
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -276,30 +277,51 @@ def test_te_recipe_kwargs_refuses_unknown_fields_and_settings_the_recipe_does_no
 
 
 ACCELERATOR_SCRIPT = """
+import json, os, sys
 import accel_fp8_fix
 from accelerate import Accelerator
-try:
-    accelerator = Accelerator(mixed_precision="fp8")
-except ValueError as exc:
-    print("refused:", exc)
-else:
-    print("ok", accelerator.fp8_enabled, accel_fp8_fix.active_patch_set())
+from accelerate.state import AcceleratorState, GradientState, PartialState
+for case in json.loads(sys.argv[1]):  # one Accelerator() per case, accelerate's singletons reset between them
+    saved = {name: os.environ.get(name) for name in case}
+    os.environ.update(case)
+    try:
+        accelerator = Accelerator(mixed_precision="fp8")
+    except ValueError as exc:
+        print(json.dumps(f"refused: {exc}"))
+    else:
+        print(json.dumps(f"ok {accelerator.fp8_enabled} {accel_fp8_fix.active_patch_set()}"))
+    for name, value in saved.items():
+        os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
 """
-
-
-@pytest.mark.parametrize("env,expect", [
+ACCELERATOR_CASES = [
     ({"ACCELERATE_FP8_RECIPE": "current"}, "ok True accelerate-1.13-1.15"),
     ({"ACCELERATE_FP8_RECIPE": "current", "ACCELERATE_FP8_AMAX_HISTORY_LEN": "16"},
      "refused: accel_fp8_fix: amax_history_len set for the 'current' recipe"),
     ({"ACCELERATE_FP8_RECIPE": "fp6"}, "refused: accel_fp8_fix: fp8_config.recipe (ACCELERATE_FP8_RECIPE)='fp6'"),
     ({"ACCEL_FP8_FIX_LOG_RANKS": "some"}, "refused: accel_fp8_fix: ACCEL_FP8_FIX_LOG_RANKS='some'"),
-])
-def test_accelerator_checks_the_settings_before_any_model(env, expect):
-    """One process, the rehearsal's TE; the check runs inside Accelerator() (patch `settings`)."""
-    proc = subprocess.run([sys.executable, "-c", ACCELERATOR_SCRIPT], capture_output=True, text=True, timeout=180,
-                          env={**CLEAN_ENV, **REHEARSAL, **env})
+    ({"ACCELERATE_FP8_RECIPE": "current"}, "ok True accelerate-1.13-1.15"),  # nothing a refusal left behind
+]
+
+
+@pytest.fixture(scope="module")
+def accelerator_answers():
+    """Every case of ACCELERATOR_CASES in one process (the rehearsal's TE): its answer per case, in order."""
+    proc = subprocess.run([sys.executable, "-c", ACCELERATOR_SCRIPT, json.dumps([env for env, _ in ACCELERATOR_CASES])],
+                          capture_output=True, text=True, timeout=180, env={**CLEAN_ENV, **REHEARSAL})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith(expect), proc.stdout + proc.stderr[-2000:]
+    answers = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('"')]
+    assert len(answers) == len(ACCELERATOR_CASES), proc.stdout + proc.stderr[-2000:]
+    return answers
+
+
+@pytest.mark.parametrize("case", range(len(ACCELERATOR_CASES)))
+def test_accelerator_checks_the_settings_before_any_model(accelerator_answers, case):
+    """One process, the rehearsal's TE; the check runs inside Accelerator() (patch `settings`)."""
+    env, expect = ACCELERATOR_CASES[case]
+    assert accelerator_answers[case].startswith(expect), (env, accelerator_answers[case])
 
 
 # -- malformed YAML ----------------------------------------------------------------------------------------------

@@ -1,0 +1,47 @@
+"""Which scenarios the pooled-equals-fresh check runs again (tests/support/agreement.py): one per test file, as few
+fresh launches as the rotation allows, every eligible scenario of every file chosen on some day."""
+
+import pytest
+
+from support import agreement
+
+
+def _launch(world_size, env, names):
+    return {"module": "m", "plan": [(n, {"ckpt_dir": "/x"} if n.startswith("save") else {}) for n in names],
+            "world_size": world_size, "env": env, "audit": True, "timeout": 60, "collective_timeout": 30,
+            "results": []}
+
+
+@pytest.fixture
+def records(monkeypatch):
+    recs = {
+        "tests/distributed/test_a.py": [_launch(2, {"X": "1"}, ["a1", "a2"]), _launch(4, {}, ["a3"])],
+        "tests/distributed/test_b.py": [_launch(2, {"X": "1"}, ["b1"]), _launch(2, {"Y": "1"}, ["b2", "save_b"])],
+        "tests/distributed/test_c.py": [_launch(4, {}, ["c1"]), _launch(2, {"X": "1"}, ["c2", "c3"])],
+        "tests/distributed/test_d.py": [_launch(2, {"Z": "1"}, ["d1"])],
+    }
+    monkeypatch.setattr(agreement, "RECORDS", recs)
+    return recs
+
+
+def test_one_scenario_per_file_and_no_folder_scenario(records):
+    for turn in range(40):
+        chosen = agreement.choices(turn)
+        assert sorted(c["file"] for c in chosen) == sorted(records)
+        assert not any(c["name"].startswith("save") for c in chosen)
+
+
+def test_files_share_fresh_launches(records):
+    """test_d can only run with Z; the others can share one environment besides the leader's: at most 3 launches
+    where picking each file's scenario by rotation alone would often need 4."""
+    for turn in range(40):
+        groups = agreement.groups(agreement.choices(turn), turn)
+        assert len(groups) <= 3, (turn, list(groups))
+        assert ((2, '{"Z": "1"}', True)) in groups
+
+
+def test_every_eligible_scenario_is_chosen_on_some_day(records):
+    seen = {(c["file"], c["name"]) for turn in range(200) for c in agreement.choices(turn)}
+    eligible = {(file, name) for file, launches in records.items() for launch in launches
+                for name, _ in launch["plan"] if not name.startswith("save")}
+    assert seen == eligible
