@@ -25,26 +25,24 @@ from __future__ import annotations
 
 import sys
 
-ENV = "ACCELERATE_FP8_RECIPE"
+from .. import settings
+
+ENV = settings.RECIPE
 # te_recipe_kwargs() choices by handler (accelerate's to_kwargs() reads every instance attribute, so the
 # choice cannot live on the handler itself): id -> (handler, recipe name or object, extra recipe options)
 _CHOICES: dict = {}
 
-# name: (TE recipe class, TE support check, TERecipeKwargs fields the class takes)
-RECIPES = {
-    "delayed": ("DelayedScaling", "check_fp8_support", None),  # None: every field (stock behaviour)
-    "current": ("Float8CurrentScaling", "check_fp8_support", ("fp8_format",)),
-    "mxfp8": ("MXFP8BlockScaling", "check_mxfp8_support", ("fp8_format", "margin")),
-    "block": ("Float8BlockScaling", "check_fp8_block_scaling_support", ("fp8_format",)),
-    "nvfp4": ("NVFP4BlockScaling", "check_nvfp4_support", ()),
+# name: (TE recipe class, TE support check, TERecipeKwargs fields the class takes); the names, their classes and
+# their other spellings are the settings registry's (settings.RECIPE_CLASSES / RECIPE_ALIASES)
+_SUPPORT = {
+    "delayed": ("check_fp8_support", None),  # None: every field (stock behaviour)
+    "current": ("check_fp8_support", ("fp8_format",)),
+    "mxfp8": ("check_mxfp8_support", ("fp8_format", "margin")),
+    "block": ("check_fp8_block_scaling_support", ("fp8_format",)),
+    "nvfp4": ("check_nvfp4_support", ()),
 }
-ALIASES = {
-    "delayed_scaling": "delayed", "delayedscaling": "delayed",
-    "current_scaling": "current", "float8_current_scaling": "current", "float8currentscaling": "current",
-    "mxfp8_block_scaling": "mxfp8", "mxfp8blockscaling": "mxfp8",
-    "float8_block_scaling": "block", "fp8_block_scaling": "block", "float8blockscaling": "block",
-    "nvfp4_block_scaling": "nvfp4", "nvfp4blockscaling": "nvfp4",
-}
+RECIPES = {name: (class_name, *_SUPPORT[name]) for name, class_name in settings.RECIPE_CLASSES.items()}
+ALIASES = settings.RECIPE_ALIASES
 # TERecipeKwargs fields, and the ones only DelayedScaling reads (set explicitly for another recipe: an error)
 DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "interval")
 
@@ -91,8 +89,6 @@ def settings_from_env(environ) -> tuple[object, str, dict]:
     """(recipe name or None, the setting it came from, the TERecipeKwargs fields set) from the ``ACCELERATE_FP8_*``
     variables ``environ`` holds — what the workers' ``TERecipeKwargs()`` reads; no accelerate, torch or TE import.
     A value accelerate itself would refuse raises RecipeSettingError."""
-    from .. import settings
-
     prefix = settings.FP8_CONFIG_PREFIX
     choice = settings.parse(ENV, environ.get(ENV))
     setting = f"fp8_config `recipe` / {ENV}" if choice is not None else ""
@@ -196,8 +192,6 @@ def accelerator_init(wrapped, instance, args, kwargs):
     raises ValueError naming it), and, once accelerate has resolved its FP8 configuration, the TE recipe and its
     settings (an unknown recipe, a setting the recipe does not take) — before any model is prepared; the script
     fails at ``Accelerator()``, not after loading and sharding."""
-    from .. import settings
-
     problems = settings.check(owners=("package",))
     if problems:
         raise ValueError("; ".join(str(exc) for _setting, exc in problems))
@@ -239,8 +233,6 @@ def te_recipe_kwargs(recipe="delayed", all_gather=None, **fields):
         recipe = recipe_name(recipe, "te_recipe_kwargs(recipe)")
     _check_extra_fields(recipe, extra, known)
     if all_gather is not None:
-        from .. import settings
-
         all_gather = settings.REGISTRY["ACCELERATE_FP8_ALL_GATHER"].parse(all_gather)
         if all_gather == "fp8" and isinstance(recipe, str):
             from .fp8_all_gather_policy import Fp8AllGatherError, refusal
@@ -332,8 +324,6 @@ def _chosen(handler) -> tuple[object, str]:
     from_handler = _choice_of(handler)[0]
     if from_handler is not None:
         return from_handler, "te_recipe_kwargs(recipe)"
-    from .. import settings
-
     choice = settings.get(ENV)  # ValueError naming the variable, the value and the recipes for an unknown name
     return (choice, f"fp8_config `recipe` / {ENV}") if choice is not None else (None, "")
 
