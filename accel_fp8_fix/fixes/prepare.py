@@ -29,7 +29,8 @@ from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
 from .presharded import check_mesh_matches
-from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
+from .te_convert import ConversionReport, convert_after_sharding
+from .tp_layout import record_tp_layout
 from .trainer import drop_pending_model, with_pending_model
 
 logger = logging.getLogger(__name__)
