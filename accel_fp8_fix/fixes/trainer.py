@@ -11,8 +11,9 @@ Stock, under an FSDP2 accelerate config, the second call raises ``ValueError: Wh
 optimizer must be passed together to `Accelerator.prepare()` ...``; without FSDP2 (TP only) it passes and the
 model is never converted to Transformer Engine: FP8 silently off. Here ``prepare_model`` keeps such a model
 aside (untouched: the Trainer already built the optimizer on its parameters) and the next ``prepare`` of an
-optimizer alone prepares both together (fixes/prepare.py: ``with_pending_model`` / ``drop_pending_model``), the path of a script's ``prepare(model, optimizer)`` (TE conversion on
-the shards, FP8 state, amax group, optimizer pointed at any new Parameter), returning what was asked for.
+optimizer alone prepares both together, the path of a script's ``prepare(model, optimizer)`` (TE conversion on
+the shards, FP8 state, amax group, optimizer pointed at any new Parameter), returning what was asked for
+(fixes/prepare.py: ``with_pending_model`` / ``drop_pending_model``).
 """
 
 from __future__ import annotations
