@@ -16,6 +16,16 @@ if TYPE_CHECKING:
 
 
 
+def _fix_patch_sets() -> dict:
+    """``ACCEL_FP8_FIX_PATCH_SET``'s choices: the fix sets of patches/*.toml by name (loaded on first read)."""
+    from .engine.declarations import load_patch_sets
+
+    return {s.name: s.summary for s in load_patch_sets() if s.kind == "fix"}
+
+
+settings.provide_choices("ACCEL_FP8_FIX_PATCH_SET", _fix_patch_sets)  # settings imports nothing from the package
+
+
 def _logger():
     """The package logger (``logging`` is imported on first use; ``_log`` adds the NullHandler)."""
     from ._log import logger

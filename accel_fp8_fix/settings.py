@@ -14,7 +14,9 @@ accelerate exports, :func:`exported_fp8_env`, then reads those), so they cannot 
 
 ``owner``: who reads it — ``package`` (this package: every read goes through :func:`get`), ``rehearsal`` (the
 CPU rehearsal, ``accel_fp8_fix.rehearsal``, with its own reader that accepts exactly what is listed here) or
-``testing`` (``accel_fp8_fix.testing``). Stdlib only: imported by ``import accel_fp8_fix``.
+``testing`` (``accel_fp8_fix.testing``). Stdlib only, and nothing from the package (the layer every other one
+reads: tests/unit/test_layout.py): imported by ``import accel_fp8_fix``. Choices another layer owns are handed in
+(:func:`provide_choices`: the patch sets' names).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ ON_VALUES = ("1", "true", "yes", "on")
 OFF_VALUES = ("0", "false", "no", "off")
 FP8_CONFIG_PREFIX = "ACCELERATE_FP8_"
 
-__all__ = ["Setting", "REGISTRY", "ON_VALUES", "OFF_VALUES", "REHEARSAL", "DEPRECATED", "parse", "get", "check",
-           "exported_fp8_env", "setting_for_config_key"]
+__all__ = ["Setting", "REGISTRY", "ON_VALUES", "OFF_VALUES", "REHEARSAL", "DEPRECATED", "RECIPE_CLASSES",
+           "RECIPE_ALIASES", "parse", "get", "check", "exported_fp8_env", "setting_for_config_key", "provide_choices"]
 
 
 class Setting:
@@ -88,10 +90,8 @@ class Setting:
                 return False
         elif self.kind == "enum":
             choices = self.choice_map()
-            if self.name == RECIPE:  # recipe names also have TE's class names as aliases (fixes/recipes.py)
-                from .fixes.recipes import ALIASES
-
-                key = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+            if self.name == RECIPE:  # recipe names also have TE's class names as aliases (RECIPE_ALIASES)
+                key = RECIPE_ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
             if key in choices:
                 return key
         elif self.kind == "path":
@@ -107,16 +107,33 @@ class Setting:
                          f"It sets: {self.meaning}")
 
 
-def _patch_sets() -> dict:
-    from .engine.declarations import load_patch_sets
+# The Transformer Engine recipes by name, with their TE class (fixes/recipes.py builds and checks them), and the
+# other spellings ACCELERATE_FP8_RECIPE / te_recipe_kwargs(recipe=) accept (TE's class names, snake-cased).
+RECIPE_CLASSES = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "mxfp8": "MXFP8BlockScaling",
+    "block": "Float8BlockScaling",
+    "nvfp4": "NVFP4BlockScaling",
+}
+RECIPE_ALIASES = {
+    "delayed_scaling": "delayed", "delayedscaling": "delayed",
+    "current_scaling": "current", "float8_current_scaling": "current", "float8currentscaling": "current",
+    "mxfp8_block_scaling": "mxfp8", "mxfp8blockscaling": "mxfp8",
+    "float8_block_scaling": "block", "fp8_block_scaling": "block", "float8blockscaling": "block",
+    "nvfp4_block_scaling": "nvfp4", "nvfp4blockscaling": "nvfp4",
+}
 
-    return {s.name: s.summary for s in load_patch_sets() if s.kind == "fix"}
+
+def provide_choices(name: str, choices) -> None:
+    """Hand setting ``name`` its choices (value -> meaning, or a function returning that mapping) where another
+    layer owns them: the patch sets' names are the engine's (``_api`` hands them in when it is imported, which
+    ``import accel_fp8_fix`` does before anything can read a setting). Settings import nothing from the package."""
+    REGISTRY[name].choices = choices
 
 
 def _recipes() -> dict:
-    from .fixes.recipes import RECIPES
-
-    return {name: f"TE {cls}" for name, (cls, _check, _takes) in RECIPES.items()}
+    return {name: f"TE {cls}" for name, cls in RECIPE_CLASSES.items()}
 
 
 def _all_gather_choices() -> dict:
@@ -141,7 +158,7 @@ REGISTRY: dict = {s.name: s for s in (
     Setting("ACCEL_FP8_FIX_STRICT", "bool", "on: installed versions outside every supported window raise "
             "UnsupportedVersionError instead of a warning", default="off"),
     Setting("ACCEL_FP8_FIX_PATCH_SET", "enum", "use this patch set (by name) whatever the installed versions",
-            choices=_patch_sets, case_sensitive=True, default="chosen from the installed versions"),
+            case_sensitive=True, default="chosen from the installed versions"),  # choices: provide_choices (_api)
     Setting("ACCEL_FP8_FIX_ALLOW_UNTESTED", "bool", "on: a torch / accelerate / Transformer Engine release newer "
             "than every window (never an older one) gets the newest set whose only misfits are such releases, "
             "applied only if every apply-time check passes, and said once", default="off"),

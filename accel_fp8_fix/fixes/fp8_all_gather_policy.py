@@ -5,10 +5,6 @@
 from __future__ import annotations
 
 ENV = "ACCELERATE_FP8_ALL_GATHER"
-CHOICES = {
-    "high_precision": "FSDP2 all-gathers weights in its mixed-precision policy's param_dtype (stock)",
-    "fp8": "FSDP2 all-gathers the converted TE Linear weights as FP8 (+ one scale each), quantized on the shard",
-}
 SERVED_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 REFUSED_RECIPES = {
     "MXFP8BlockScaling": "its 1x32 block scales are per row on the row-wise data and per column on the "
@@ -97,9 +93,9 @@ def check_request(accelerator) -> bool:
     why = refusal(_recipe_class_name(handler), is_fsdp2=bool(accelerator.is_fsdp2), versions=versions,
                   cpu_offload=_offloaded(plugin))
     if why is None and _recipe_class_name(handler) == "Float8BlockScaling":
-        from .fp8_autocast import build_recipe
+        from .recipes import build
 
-        why = block_recipe_refusal(build_recipe(handler)[0])
+        why = block_recipe_refusal(build(handler)[0])
     if why is not None:
         raise Fp8AllGatherError(f"accel_fp8_fix: {setting}=fp8 (FP8 all-gather) cannot run: {why}. Remove the "
                                 "setting (or set it to high_precision); nothing was changed")

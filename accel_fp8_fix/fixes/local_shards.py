@@ -15,22 +15,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed import collectives
 from ..distributed.dtensor import is_dtensor
 
 
 class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over ``group`` (named explicitly)."""
+    """Identity forward; backward all-reduces (sums) the gradient over ``group`` (named explicitly), through the
+    package's collectives."""
 
     @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
+    def forward(ctx, tensor, group, name):
+        ctx.group, ctx.name = group, name
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
+        collectives.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group, name=ctx.name)
+        return grad, None, None
 
 
 class _LocalShardsDuringForward:
@@ -57,7 +59,7 @@ class _LocalShardsDuringForward:
             saved[name] = param
             local = param.to_local()
             if self.sum_group is not None and local.requires_grad:
-                local = _SumGradOverGroup.apply(local, self.sum_group)
+                local = _SumGradOverGroup.apply(local, self.sum_group, f"{type(module).__name__}.{name} gradient")
             module._parameters[name] = local
         module._accel_fp8_fix_saved_params = saved
 

@@ -42,6 +42,7 @@ from ..distributed.dtensor import is_dtensor
 from ..internals import torch_internals, transformers_tp
 from ..internals import transformer_engine as te_internals
 from .fp8_shapes import FP8_LAST_MULTIPLE, recipe_multiples
+from .tp_layout import DATA_PARALLEL_DIMS, is_fsdp_placement
 
 logger = logging.getLogger(__name__)
 
@@ -84,28 +85,24 @@ def _tp_dims(param):
     """([(mesh dim name, placement, size)] of a DTensor parameter's TP dims, [...] of its data-parallel dims). A dim
     is data-parallel when named so, or — unnamed or named otherwise, but not 'tp' — when it carries FSDP's own
     placement (Shard(0) / Replicate): accelerate's plain FSDP2 mesh has no dim names."""
-    from .te_convert import DATA_PARALLEL_DIMS, _fsdp_placement
-
     if not is_dtensor(param):
         return [], None
     mesh = param.device_mesh
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
     tp, other = [], []
     for i, (dim, placement) in enumerate(zip(names, param.placements)):
-        data_parallel = dim in DATA_PARALLEL_DIMS or (dim != "tp" and _fsdp_placement(placement))
+        data_parallel = dim in DATA_PARALLEL_DIMS or (dim != "tp" and is_fsdp_placement(placement))
         (other if data_parallel else tp).append((dim, placement, mesh.size(i)))
     return tp, other
 
 
 def _tp_size(module) -> tuple[int, str | None]:
     """(TP degree of the experts' parameters, why their layout cannot run here — None when it can)."""
-    from .te_convert import _fsdp_placement
-
     sizes = []
     for name, want in (("gate_up_proj", "packed"), ("down_proj", "row")):
         tp, other = _tp_dims(getattr(module, name))
         for dim, placement, _ in other or ():
-            if not _fsdp_placement(placement):
+            if not is_fsdp_placement(placement):
                 return 1, f"{name} has placement {placement} on mesh dim {dim!r}; only FSDP's Shard(0) or Replicate"
         tp = [t for t in tp if t[2] > 1]
         if not tp:

@@ -29,12 +29,13 @@ from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
 from .presharded import check_mesh_matches
-from .te_convert import ConversionReport, convert_after_sharding, record_tp_layout
-from .trainer import drop_pending_model, with_pending_model
+from .te_convert import ConversionReport, convert_after_sharding
+from .tp_layout import record_tp_layout
 
 logger = logging.getLogger(__name__)
 
 DEFER_FLAG = "_accel_fp8_fix_defer_te"
+PENDING = "_accel_fp8_fix_pending_model"  # the model fixes/trainer.py:prepare_model kept for the optimizer's prepare
 
 
 @dataclass
@@ -53,7 +54,8 @@ class Fp8Setup:
     all_gather: object = None  # fixes/fp8_all_gather.Fp8AllGatherSetup when weights are all-gathered in FP8
 
 
-def _handles(accelerator) -> bool:
+def handles_fp8_prepare(accelerator) -> bool:
+    """Does the patched prepare apply to this accelerator (TE FP8 with FSDP2 or TP)?"""
     from accelerate.utils.dataclasses import FP8BackendType
 
     if accelerator.fp8_backend != FP8BackendType.TE:
@@ -67,13 +69,37 @@ def _the_model(objects):
     return models[0] if len(models) == 1 else None
 
 
+def with_pending_model(instance, args: tuple):
+    """For ``prepare(*args)``: ``(args, model)`` with the model ``prepare_model`` kept aside put first when ``args``
+    hold an optimizer and no model (else ``model`` is None and ``args`` unchanged)."""
+    model = getattr(instance, PENDING, None)
+    if model is None or any(isinstance(a, torch.nn.Module) for a in args):
+        return args, None
+    if not any(isinstance(a, torch.optim.Optimizer) for a in args):
+        return args, None
+    setattr(instance, PENDING, None)
+    return (model, *args), model
+
+
+def drop_pending_model(result, model):
+    """The result of ``prepare(model, *args)`` as ``prepare(*args)`` returns it. The model is prepared in place
+    (the caller holds it from ``prepare_model``): another object back would leave that caller training a stale one."""
+    items = list(result) if isinstance(result, (tuple, list)) else [result]
+    if items[0] is not model:
+        raise RuntimeError(
+            f"accel_fp8_fix: prepare returned another object for {type(model).__name__} (a model sharded at load, "
+            "prepared without its optimizer): pass the model and its optimizer to accelerator.prepare together")
+    rest = items[1:]
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
 def prepare(wrapped, instance, args, kwargs):
     """Errors leaving it get a note, and the prepared model its audit setup, from the hooks the TOML declares
     (``notes``, ``on_return``: diagnostics/notes.py)."""
     if not getattr(instance, "_accel_fp8_fix_agreed", False):
         check_patch_set_agreement(calling_patch_set())
         instance._accel_fp8_fix_agreed = True
-    if not _handles(instance):
+    if not handles_fp8_prepare(instance):
         return wrapped(*args, **kwargs)
     args, pending = with_pending_model(instance, args)  # a model Trainer prepared alone (A22)
     model = _the_model(args)

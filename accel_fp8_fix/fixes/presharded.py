@@ -18,10 +18,9 @@ from torch import nn
 
 from .._log import say
 from ..distributed.dtensor import is_dtensor
+from .tp_layout import FSDP_DIM_NAMES
 
 logger = logging.getLogger(__name__)
-
-FSDP_DIM_NAMES = ("fsdp", "dp_shard", "dp_shard_cp")  # transformers' name, accelerate's names
 
 
 def is_presharded(model: nn.Module) -> bool:

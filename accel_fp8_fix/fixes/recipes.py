@@ -17,34 +17,32 @@ run raises a ``ValueError`` naming the recipe, the TE version, the device and TE
 The recipe name and the settings it takes are checked earlier, by one function (``check_settings``, no torch or
 TE import) wherever they are first seen: ``accel-fp8-fix doctor --launch`` (on the variables ``accelerate
 launch`` would export, ``settings_from_env``), ``Accelerator()`` (``accelerator_init``, patch ``settings``) and
-``te_recipe_kwargs`` (which also refuses, with ``TypeError``, a field neither ``TERecipeKwargs`` nor the TE
-recipe class has).
+``te_recipe_kwargs`` (fixes/recipe_kwargs.py, which also refuses, with ``TypeError``, a field neither
+``TERecipeKwargs`` nor the TE recipe class has).
 """
 
 from __future__ import annotations
 
 import sys
 
-ENV = "ACCELERATE_FP8_RECIPE"
+from .. import settings
+
+ENV = settings.RECIPE
 # te_recipe_kwargs() choices by handler (accelerate's to_kwargs() reads every instance attribute, so the
 # choice cannot live on the handler itself): id -> (handler, recipe name or object, extra recipe options)
 _CHOICES: dict = {}
 
-# name: (TE recipe class, TE support check, TERecipeKwargs fields the class takes)
-RECIPES = {
-    "delayed": ("DelayedScaling", "check_fp8_support", None),  # None: every field (stock behaviour)
-    "current": ("Float8CurrentScaling", "check_fp8_support", ("fp8_format",)),
-    "mxfp8": ("MXFP8BlockScaling", "check_mxfp8_support", ("fp8_format", "margin")),
-    "block": ("Float8BlockScaling", "check_fp8_block_scaling_support", ("fp8_format",)),
-    "nvfp4": ("NVFP4BlockScaling", "check_nvfp4_support", ()),
+# name: (TE recipe class, TE support check, TERecipeKwargs fields the class takes); the names, their classes and
+# their other spellings are the settings registry's (settings.RECIPE_CLASSES / RECIPE_ALIASES)
+_SUPPORT = {
+    "delayed": ("check_fp8_support", None),  # None: every field (stock behaviour)
+    "current": ("check_fp8_support", ("fp8_format",)),
+    "mxfp8": ("check_mxfp8_support", ("fp8_format", "margin")),
+    "block": ("check_fp8_block_scaling_support", ("fp8_format",)),
+    "nvfp4": ("check_nvfp4_support", ()),
 }
-ALIASES = {
-    "delayed_scaling": "delayed", "delayedscaling": "delayed",
-    "current_scaling": "current", "float8_current_scaling": "current", "float8currentscaling": "current",
-    "mxfp8_block_scaling": "mxfp8", "mxfp8blockscaling": "mxfp8",
-    "float8_block_scaling": "block", "fp8_block_scaling": "block", "float8blockscaling": "block",
-    "nvfp4_block_scaling": "nvfp4", "nvfp4blockscaling": "nvfp4",
-}
+RECIPES = {name: (class_name, *_SUPPORT[name]) for name, class_name in settings.RECIPE_CLASSES.items()}
+ALIASES = settings.RECIPE_ALIASES
 # TERecipeKwargs fields, and the ones only DelayedScaling reads (set explicitly for another recipe: an error)
 DELAYED_ONLY = ("amax_history_len", "amax_compute_algo", "interval")
 
@@ -91,8 +89,6 @@ def settings_from_env(environ) -> tuple[object, str, dict]:
     """(recipe name or None, the setting it came from, the TERecipeKwargs fields set) from the ``ACCELERATE_FP8_*``
     variables ``environ`` holds — what the workers' ``TERecipeKwargs()`` reads; no accelerate, torch or TE import.
     A value accelerate itself would refuse raises RecipeSettingError."""
-    from .. import settings
-
     prefix = settings.FP8_CONFIG_PREFIX
     choice = settings.parse(ENV, environ.get(ENV))
     setting = f"fp8_config `recipe` / {ENV}" if choice is not None else ""
@@ -196,8 +192,6 @@ def accelerator_init(wrapped, instance, args, kwargs):
     raises ValueError naming it), and, once accelerate has resolved its FP8 configuration, the TE recipe and its
     settings (an unknown recipe, a setting the recipe does not take) — before any model is prepared; the script
     fails at ``Accelerator()``, not after loading and sharding."""
-    from .. import settings
-
     problems = settings.check(owners=("package",))
     if problems:
         raise ValueError("; ".join(str(exc) for _setting, exc in problems))
@@ -223,78 +217,18 @@ def all_gather_choice(handler):
     return entry[1] if entry is not None and entry[0] is handler else None
 
 
-def te_recipe_kwargs(recipe="delayed", all_gather=None, **fields):
-    """accelerate's ``TERecipeKwargs(**fields)`` that asks for ``recipe`` (a name or a TE recipe object).
-
-    Fields ``TERecipeKwargs`` does not have are passed to the TE recipe class (e.g. ``fp4_format``); a field neither
-    has raises ``TypeError`` naming it, and a field the recipe does not take (``amax_history_len`` with
-    ``current``) raises ``ValueError`` — here, not at ``prepare``."""
-    import dataclasses
-
-    from accelerate.utils import TERecipeKwargs
-
-    known = {f.name for f in dataclasses.fields(TERecipeKwargs)}
-    extra = {k: v for k, v in fields.items() if k not in known}
-    if isinstance(recipe, str):
-        recipe = recipe_name(recipe, "te_recipe_kwargs(recipe)")
-    _check_extra_fields(recipe, extra, known)
-    if all_gather is not None:
-        from .. import settings
-
-        all_gather = settings.REGISTRY["ACCELERATE_FP8_ALL_GATHER"].parse(all_gather)
-        if all_gather == "fp8" and isinstance(recipe, str):
-            from .fp8_all_gather_policy import Fp8AllGatherError, refusal
-
-            why = refusal(RECIPES[recipe][0], is_fsdp2=True)
-            if why is not None:
-                raise Fp8AllGatherError(f"accel_fp8_fix: te_recipe_kwargs(all_gather='fp8') cannot run with {why}")
-    handler = TERecipeKwargs(**{k: v for k, v in fields.items() if k in known})
+def remember_choice(handler, recipe, extra: dict, all_gather=None) -> None:
+    """What ``te_recipe_kwargs`` (fixes/recipe_kwargs.py) asked for on ``handler``: the recipe (name or TE object),
+    the extra recipe options and the all-gather choice, read back by ``build``, ``check_handler`` and
+    ``all_gather_choice``."""
     _CHOICES[id(handler)] = (handler, recipe, extra)
     if all_gather is not None:
         _ALL_GATHER[id(handler)] = (handler, all_gather)
-    try:
-        check_handler(handler)
-    except ValueError:
-        _CHOICES.pop(id(handler), None)
-        raise
-    return handler
 
 
-def _check_extra_fields(recipe, extra: dict, known: set) -> None:
-    if not extra:
-        return
-    if not isinstance(recipe, str):
-        unknown, takes = sorted(extra), f"a {type(recipe).__name__} object (set them on it)"
-    else:
-        class_name = RECIPES[recipe][0]
-        recipe_fields = _te_recipe_fields(class_name)
-        if recipe_fields is None:  # TE's recipe module not importable here: TE's constructor decides at prepare
-            return
-        unknown, takes = sorted(k for k in extra if k not in recipe_fields), f"{class_name}"
-    if unknown:
-        raise TypeError(f"te_recipe_kwargs() got unknown field{'s' if len(unknown) > 1 else ''} "
-                        f"{', '.join(map(repr, unknown))} for the {recipe if isinstance(recipe, str) else 'given'} "
-                        f"recipe: neither TERecipeKwargs ({', '.join(sorted(known))}) nor {takes} has "
-                        f"{'it' if len(unknown) == 1 else 'them'}")
-
-
-def _te_recipe_fields(class_name: str):
-    """The fields of TE's recipe class ``class_name`` (None when TE's recipe module cannot be imported)."""
-    import dataclasses
-
-    try:
-        import transformer_engine.common.recipe as te_recipe
-    except Exception:  # noqa: BLE001 - TE absent or unusable here
-        return None
-    cls = getattr(te_recipe, class_name, None)
-    if cls is None:
-        return set()
-    try:
-        return {f.name for f in dataclasses.fields(cls)}
-    except TypeError:
-        import inspect
-
-        return set(inspect.signature(cls).parameters)
+def forget_choice(handler) -> None:
+    """The recipe choice of a handler ``te_recipe_kwargs`` refused, dropped."""
+    _CHOICES.pop(id(handler), None)
 
 
 def _choice_of(handler) -> tuple:
@@ -332,8 +266,6 @@ def _chosen(handler) -> tuple[object, str]:
     from_handler = _choice_of(handler)[0]
     if from_handler is not None:
         return from_handler, "te_recipe_kwargs(recipe)"
-    from .. import settings
-
     choice = settings.get(ENV)  # ValueError naming the variable, the value and the recipes for an unknown name
     return (choice, f"fp8_config `recipe` / {ENV}") if choice is not None else (None, "")
 

@@ -22,7 +22,7 @@ from ..distributed.dtensor import is_dtensor
 from ..internals.accelerate_internals import prepare_one
 from ..internals.transformers_tp import grad_allreduce_original_forward
 from .local_shards import install_local_shards
-from .te_convert import TP_ATTR
+from .tp_layout import TP_ATTR
 
 
 def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:

@@ -3,8 +3,12 @@
 * a fix is one file in ``fixes/`` plus its lines in ``patches/*.toml``: every wrapper a fix set declares is a
   function of ``accel_fp8_fix.fixes``; cross-cutting hooks (``on_error``, ``on_return``) are declared, not
   imported by the fixes;
-* the arrows run one way: ``fixes/`` never imports ``diagnostics/`` or the public API (``_api``);
-  ``internals/`` imports nothing from ``engine/``;
+* no import cycle: the module graph of every import statement (those inside functions too) has no circle;
+* the arrows run one way, down the layer order of docs/architecture.md (``LAYERS``): a module imports only from
+  its own layer or below — so ``settings`` imports nothing from the package, ``internals/`` nothing from
+  ``engine/``, ``fixes/`` never ``diagnostics/`` or the public API (``_api``);
+* collectives go through the family, ``distributed/``: no direct ``torch.distributed`` collective call elsewhere
+  (the rehearsal's stand-ins for TE's C++ all-reduce and the test bed's own barrier are outside the rule);
 * Transformer Engine's private names are used only in ``internals/`` (and by the rehearsal, which stands in
   for TE's kernels);
 * no function is longer than 80 lines.
@@ -21,6 +25,43 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "accel_fp8_fix"
 MAX_FUNCTION_LINES = 80
 
+# The layer order of docs/architecture.md, bottom first: a package (or top-level module) per entry, named by its
+# first path part under accel_fp8_fix/ ("__init__": the package's own __init__.py).
+LAYERS = (
+    ("settings",),  # the registry every layer reads: imports nothing from the package
+    ("_log",),
+    ("internals",),
+    ("distributed",),
+    ("engine",),
+    ("fixes",),
+    ("_api",),
+    ("diagnostics",),
+    ("cli", "__main__"),
+    ("rehearsal",),
+    ("testing",),
+    ("__init__",),
+    ("_bootstrap",),
+)
+# TEMPORARY: the rehearsal's tex <-> grouped circle (tex also reaches its package for te_version, and the package
+# imports tex) is removed on the shim branch (tex as a package whose kernels grouped imports); delete this constant
+# when that branch is merged.
+_CYCLE_REMOVED_ON_SHIM_BRANCH = frozenset({
+    "accel_fp8_fix.rehearsal.te_on_cpu.tex",
+    "accel_fp8_fix.rehearsal.te_on_cpu.grouped",
+    "accel_fp8_fix.rehearsal.te_on_cpu",
+})
+# The family (distributed/collectives.py) names its group and refuses a DTensor; these go around it.
+COLLECTIVE_CALLS = frozenset({
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
+    "all_gather_object", "_all_gather_base", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "gather", "gather_object",
+    "scatter", "scatter_object_list", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv", "new_group", "new_subgroups",
+})
+TORCH_DISTRIBUTED = ("torch.distributed", "torch.distributed.distributed_c10d",
+                     "torch.distributed._functional_collectives")
+OUTSIDE_THE_COLLECTIVE_RULE = ("distributed", "rehearsal", "testing")
+
 
 def _modules(folder: str = ""):
     root = PACKAGE / folder if folder else PACKAGE
@@ -28,38 +69,164 @@ def _modules(folder: str = ""):
         yield path, ast.parse(path.read_text(), filename=str(path))
 
 
-def _imported(tree: ast.Module, path: Path) -> set[str]:
-    """Absolute names of the modules ``tree`` imports (relative imports resolved against ``path``)."""
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.Module, path: Path):
+    """(line, module, names) of every import statement in ``tree``, relative imports resolved against ``path``:
+    ``import a.b`` -> ``(line, "a.b", ())``, ``from m import x, y`` -> ``(line, "m", ("x", "y"))``."""
     package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
-    out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
+            for alias in node.names:
+                yield node.lineno, alias.name, ()
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 base = f"{parent}.{base}" if base else parent
-            out.add(base)
-            out.update(f"{base}.{alias.name}" for alias in node.names)
+            yield node.lineno, base, tuple(alias.name for alias in node.names)
+
+
+def _imported(tree: ast.Module, path: Path) -> set[str]:
+    """Absolute names of the modules ``tree`` imports (``from m import x``: ``m`` and ``m.x``)."""
+    return {name for _line, module, names in _imports(tree, path)
+            for name in (module, *(f"{module}.{n}" for n in names))}
+
+
+def _import_graph() -> dict:
+    """{module: {imported module of the package: [(file, line), ...]}}: each import resolved to the most specific
+    module it names (``from accel_fp8_fix import settings`` -> ``accel_fp8_fix.settings``)."""
+    trees = {_module_name(path): (path, tree) for path, tree in _modules()}
+    graph = {}
+    for module, (path, tree) in trees.items():
+        edges = graph.setdefault(module, {})
+        for line, imported, names in _imports(tree, path):
+            for name in [f"{imported}.{n}" for n in names] or [imported]:
+                while name and name not in trees:
+                    name = name.rpartition(".")[0]
+                where = (str(path.relative_to(PACKAGE.parent)), line)
+                if name and name != module and where not in edges.setdefault(name, []):
+                    edges[name].append(where)
+    return graph
+
+
+def _cycles(graph: dict) -> list[set]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle():
+    graph = _import_graph()
+    wrong = []
+    for component in _cycles(graph):
+        if component <= _CYCLE_REMOVED_ON_SHIM_BRANCH:
+            continue
+        edges = [f"{a} -> {b} ({', '.join(f'{f}:{line}' for f, line in graph[a][b])})"
+                 for a in sorted(component) for b in sorted(graph[a]) if b in component]
+        wrong.append(f"cycle {sorted(component)}: " + "; ".join(edges))
+    assert not wrong, "\n".join(wrong)
+
+
+def _layer_of(module: str) -> int:
+    parts = module.split(".")
+    part = parts[1] if len(parts) > 1 else "__init__"
+    for i, layer in enumerate(LAYERS):
+        if part in layer:
+            return i
+    raise AssertionError(f"{module}: not in test_layout.LAYERS — give it a layer here and in docs/architecture.md")
+
+
+def test_imports_follow_the_layer_order():
+    wrong = []
+    for module, edges in _import_graph().items():
+        mine = _layer_of(module)
+        for target, where in edges.items():
+            if _layer_of(target) > mine:
+                wrong += [(f, line, f"imports {target}: layer {'/'.join(LAYERS[_layer_of(target)])} is above "
+                           f"{'/'.join(LAYERS[mine])}") for f, line in where]
+    assert not wrong, "\n".join(f"{f}:{line} {what}" for f, line, what in sorted(wrong))
+
+
+def test_every_layer_of_docs_architecture_exists_and_is_written_down():
+    present = {_module_name(path).split(".")[1] if "." in _module_name(path) else "__init__"
+               for path, _tree in _modules()}
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for layer in LAYERS:
+        for part in layer:
+            assert part in present, f"LAYERS names {part}, which accel_fp8_fix/ does not have"
+            assert f"`{part}`" in text.partition("## Layers")[2], f"docs/architecture.md 'Layers' does not name {part}"
+
+
+def _direct_collectives(tree: ast.Module, path: Path) -> list[str]:
+    """``file:line name`` of every torch.distributed collective called (or imported by name) in ``tree``."""
+    aliases = {"dist"}  # the house name for torch.distributed, however it was bound
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update(a.asname for a in node.names if a.name in TORCH_DISTRIBUTED and a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch", *TORCH_DISTRIBUTED):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in TORCH_DISTRIBUTED:
+                    aliases.add(alias.asname or alias.name)
+                elif node.module != "torch" and alias.name in COLLECTIVE_CALLS:
+                    out.append(f"{path}:{node.lineno} imports {node.module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVE_CALLS:
+            receiver = ast.unparse(node.func.value)
+            if receiver in aliases or receiver in TORCH_DISTRIBUTED:
+                out.append(f"{path}:{node.lineno} calls {receiver}.{node.func.attr}")
     return out
 
 
-@pytest.mark.parametrize("folder, forbidden", [
-    ("fixes", ("accel_fp8_fix.diagnostics", "accel_fp8_fix._api")),
-    ("internals", ("accel_fp8_fix.engine",)),
-])
-def test_imports_run_one_way(folder, forbidden):
-    wrong = {
-        f"{path.relative_to(PACKAGE.parent)} imports {name}"
-        for path, tree in _modules(folder)
-        for name in _imported(tree, path)
-        if name.startswith(forbidden)
-    }
-    assert not wrong, sorted(wrong)
+def test_collectives_go_through_the_family():
+    wrong = []
+    for path, tree in _modules():
+        relative = path.relative_to(PACKAGE.parent)
+        if relative.parts[1] not in OUTSIDE_THE_COLLECTIVE_RULE:
+            wrong += _direct_collectives(tree, relative)
+    assert not wrong, "use accel_fp8_fix.distributed.collectives (group named, DTensor refused):\n" + "\n".join(wrong)
+
+
+def test_the_collective_rule_sees_direct_calls():
+    source = ("import torch.distributed as d\nfrom torch.distributed import all_gather\nimport torch\n"
+              "def f(t, g):\n    d.all_reduce(t, group=g)\n    torch.distributed.broadcast(t, 0)\n"
+              "    collectives.all_reduce(t, group=g)\n")
+    found = _direct_collectives(ast.parse(source), Path("x.py"))
+    assert found == ["x.py:2 imports torch.distributed.all_gather", "x.py:5 calls d.all_reduce",
+                     "x.py:6 calls torch.distributed.broadcast"], found
 
 
 def test_every_fix_wrapper_is_a_function_of_fixes():
+
     from accel_fp8_fix.engine.declarations import load_patch_sets
 
     for patch_set in load_patch_sets():

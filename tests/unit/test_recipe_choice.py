@@ -18,7 +18,7 @@ te_on_cpu.install()
 import transformer_engine.common.recipe as te_recipe  # noqa: E402
 from accelerate.utils import TERecipeKwargs  # noqa: E402
 
-from accel_fp8_fix.fixes import recipes  # noqa: E402
+from accel_fp8_fix.fixes import recipe_kwargs, recipes  # noqa: E402
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_recipe_by_name_from_the_environment(monkeypatch, arch, name, cls):
 
 def test_current_scaling_takes_the_format_and_refuses_delayed_only_settings(monkeypatch, arch):
     arch("sm90")
-    recipe, during_eval = recipes.build(recipes.te_recipe_kwargs("current", fp8_format="E4M3",
+    recipe, during_eval = recipes.build(recipe_kwargs.te_recipe_kwargs("current", fp8_format="E4M3",
                                                                  use_autocast_during_eval=True))
     assert isinstance(recipe, te_recipe.Float8CurrentScaling) and recipe.fp8_format == te_recipe.Format.E4M3
     assert during_eval is True
@@ -74,13 +74,13 @@ def test_unknown_recipe_and_conflicting_settings_are_named(monkeypatch, arch):
 def test_a_recipe_the_gpu_cannot_run_names_recipe_te_version_and_device(monkeypatch, arch, name, cls, needs):
     arch("sm90")
     with pytest.raises(ValueError) as info:
-        recipes.build(recipes.te_recipe_kwargs(name))
+        recipes.build(recipe_kwargs.te_recipe_kwargs(name))
     message = str(info.value)
     assert cls in message and "Transformer Engine 2." in message and "sm90" in message
     assert "compute capability 10.0 or higher" in message  # TE's own reason
     out = _on_arch(needs, f"""
-        from accel_fp8_fix.fixes import recipes
-        print(type(recipes.build(recipes.te_recipe_kwargs({name!r}))[0]).__name__)
+        from accel_fp8_fix.fixes import recipe_kwargs, recipes
+        print(type(recipes.build(recipe_kwargs.te_recipe_kwargs({name!r}))[0]).__name__)
         """)
     assert out.split() == [cls]
 
@@ -88,7 +88,7 @@ def test_a_recipe_the_gpu_cannot_run_names_recipe_te_version_and_device(monkeypa
 def test_stock_mxfp8_flag_still_selects_mxfp8_on_blackwell():
     out = _on_arch("sm100", """
         from accelerate.utils import TERecipeKwargs
-        from accel_fp8_fix.fixes import recipes
+        from accel_fp8_fix.fixes import recipe_kwargs, recipes
         print(type(recipes.build(TERecipeKwargs(use_mxfp8_block_scaling=True))[0]).__name__)
         """)
     assert out.split() == ["MXFP8BlockScaling"]
@@ -97,7 +97,7 @@ def test_stock_mxfp8_flag_still_selects_mxfp8_on_blackwell():
 def test_a_te_recipe_object_is_taken_as_is_after_the_support_check(arch):
     arch("sm90")
     mine = te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID)
-    assert recipes.build(recipes.te_recipe_kwargs(mine))[0] is mine
+    assert recipes.build(recipe_kwargs.te_recipe_kwargs(mine))[0] is mine
 
 
 def test_accelerate_launch_exports_the_config_files_recipe_key(tmp_path):

@@ -17,7 +17,7 @@ import yaml
 
 from accel_fp8_fix import cli, settings
 from accel_fp8_fix.diagnostics.launch_check import check_launch_config
-from accel_fp8_fix.fixes import recipes
+from accel_fp8_fix.fixes import recipe_kwargs, recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "accel_fp8_fix"
@@ -263,16 +263,16 @@ def test_te_recipe_kwargs_refuses_unknown_fields_and_settings_the_recipe_does_no
 
     te_on_cpu.install()  # TE's recipe classes (their fields) on CPU
     with pytest.raises(TypeError, match=r"unknown field 'bogus_field' for the current recipe"):
-        recipes.te_recipe_kwargs(recipe="current", bogus_field=3)
+        recipe_kwargs.te_recipe_kwargs(recipe="current", bogus_field=3)
     with pytest.raises(TypeError, match=r"unknown fields 'a', 'b'"):
-        recipes.te_recipe_kwargs(recipe="delayed", b=1, a=2)
+        recipe_kwargs.te_recipe_kwargs(recipe="delayed", b=1, a=2)
     with pytest.raises(ValueError, match=r"amax_history_len set for the 'current' recipe"):
-        recipes.te_recipe_kwargs(recipe="current", amax_history_len=16)
+        recipe_kwargs.te_recipe_kwargs(recipe="current", amax_history_len=16)
     import transformer_engine.common.recipe as te_recipe
 
     with pytest.raises(TypeError, match="unknown field 'fp4_format'"):
-        recipes.te_recipe_kwargs(te_recipe.Float8CurrentScaling(), fp4_format="E2M1")
-    handler = recipes.te_recipe_kwargs(recipe="current", fp8_format="E4M3", use_power_2_scales=True)  # TE's own
+        recipe_kwargs.te_recipe_kwargs(te_recipe.Float8CurrentScaling(), fp4_format="E2M1")
+    handler = recipe_kwargs.te_recipe_kwargs(recipe="current", fp8_format="E4M3", use_power_2_scales=True)  # TE's own
     assert recipes._choice_of(handler) == ("current", {"use_power_2_scales": True})
 
 
