@@ -138,7 +138,8 @@ def _recipes() -> dict:
 
 def _all_gather_choices() -> dict:
     return {"high_precision": "FSDP2 gathers weights in its policy's param_dtype (stock)",
-            "fp8": "FSDP2 gathers converted TE Linear weights as FP8 + scale (FSDP2 only; delayed / current recipes)"}
+            "fp8": "FSDP2 gathers converted TE Linear weights as FP8 + scales (FSDP2 only; delayed, current and "
+                   "block recipes)"}
 
 
 RECIPE = "ACCELERATE_FP8_RECIPE"
