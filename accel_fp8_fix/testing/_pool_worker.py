@@ -87,7 +87,8 @@ def _run(task: dict, rank: int, baseline: "isolation.Baseline") -> dict:
     watchdog.join()
     faulthandler.cancel_dump_traceback_later()
     left = baseline.restore(task["module"])
-    timing = {"run_s": ran - started, "reset_s": time.time() - ran, "cpu_s": time.process_time() - cpu_started}
+    timing = {"run_s": ran - started, "reset_s": time.time() - ran, "cpu_s": time.process_time() - cpu_started,
+              "os_threads": _os_threads()}
     return {"ok": True, "result": result, "left_behind": left, "timing": timing}
 
 
@@ -103,6 +104,14 @@ def _end_run(task: dict) -> None:
         from accel_fp8_fix.testing import collective_order
 
         collective_order.stop()
+
+
+def _os_threads() -> int:
+    """This process's OS threads (native ones too: gloo's), 0 where /proc cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def _write_audit(task: dict, failed: bool = False) -> None:

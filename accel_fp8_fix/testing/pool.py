@@ -49,13 +49,20 @@ class RankPool:
     """``world_size`` interpreters started with ``env`` added to the environment (start-up variables such as the
     ``.pth`` activation flags belong here: they act once, when the interpreter starts). ``preload``: modules each
     rank imports before its first run (their import time is paid at start, and the isolation baseline includes
-    them). ``start_timeout``: seconds for the ranks to start and import ``preload``."""
+    them). ``start_timeout``: seconds for the ranks to start and import ``preload``. ``max_threads``: a run after
+    which a rank holds more OS threads than this closes the pool (its results still count) and the next run starts
+    new ranks: gloo groups that something still references (a DeviceMesh, FSDP2's state) keep their three
+    threads each after ``destroy_process_group``, and a 4-rank pool that served a few hundred groups spent its
+    cores waking ~800 idle threads a rank (default ``ACCEL_FP8_FIX_TEST_POOL_MAX_THREADS`` or 200)."""
 
-    def __init__(self, world_size: int, env: dict | None = None, preload: tuple = (), start_timeout: float = 300.0):
+    def __init__(self, world_size: int, env: dict | None = None, preload: tuple = (), start_timeout: float = 300.0,
+                 max_threads: int | None = None):
         if world_size < 1:
             raise ValueError(f"RankPool: world_size must be >= 1, got {world_size}")
         self.world_size, self.env, self.preload = world_size, dict(env or {}), tuple(preload)
         self.start_timeout = start_timeout
+        self.max_threads = max_threads or int(os.environ.get("ACCEL_FP8_FIX_TEST_POOL_MAX_THREADS", "200"))
+        self.recycles = 0  # closes after a run that left a rank with more than max_threads OS threads
         self.starts = 0  # how many times the ranks were (re)started: 1 for a pool that never failed
         self.runs = 0
         self.start_seconds = 0.0  # wall seconds spent starting ranks, all starts together
@@ -265,6 +272,10 @@ class RankPool:
             raise DistributedTestError(head + "\n" + "\n".join(reports), divergences)
         if divergences:
             raise _divergence_error(what, divergences, results)
+        threads = max((reply.get("timing") or {}).get("os_threads", 0) for reply in replies.values())
+        if threads > self.max_threads:
+            self.close()  # the next run starts new ranks
+            self.recycles += 1
         return results
 
 

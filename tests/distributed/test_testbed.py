@@ -170,3 +170,31 @@ def test_a_pooled_run_never_gets_an_earlier_runs_mesh_back_from_dtensors_caches(
         second = pool.run(_dtensor_op_mesh, args=(3,), timeout=120)
     assert [r["same_mesh"] for r in first] == [True, True]
     assert second == [{"same_mesh": True, "value": 32.0}] * 2
+
+
+def _groups_and_threads(rank, world_size, groups):
+    """Make and destroy ``groups`` sub-groups, keeping them referenced (as a DeviceMesh would); OS threads after."""
+    import os
+
+    import torch.distributed as dist
+
+    kept = [dist.new_group(list(range(world_size))) for _ in range(groups)]
+    for group in kept:
+        dist.barrier(group=group)
+    _KEPT.extend(kept)  # referenced past the run: their gloo threads stay
+    return len(os.listdir("/proc/self/task"))
+
+
+_KEPT: list = []
+
+
+def test_a_pool_whose_ranks_gather_threads_is_closed_after_the_run_and_restarted():
+    """Referenced gloo groups keep their threads after destroy_process_group: past max_threads the pool closes
+    after the run (whose results still count) and the next run gets new ranks with few threads."""
+    with RankPool(2, env={"ACCEL_FP8_FIX": "0"}) as pool:
+        few = pool.run(_groups_and_threads, args=(0,), timeout=60)
+        pool.max_threads = max(few) + 10
+        many = pool.run(_groups_and_threads, args=(8,), timeout=60)  # 3 threads a group: over the limit
+        assert min(many) > max(few) + 10 and pool.recycles == 1 and not pool.alive
+        again = pool.run(_groups_and_threads, args=(0,), timeout=60)
+        assert max(again) <= max(few) + 2 and pool.starts == 2, (few, many, again)
