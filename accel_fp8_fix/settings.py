@@ -65,6 +65,8 @@ class Setting:
             return f"a folder ({' / '.join(OFF_VALUES)} or empty = unset)"
         if self.kind == "seconds":
             return "a number of seconds >= 0 (empty = unset)"
+        if self.kind == "count":
+            return "a whole number >= 1 (empty = unset)"
         raise AssertionError(self.kind)  # pragma: no cover
 
     def example(self) -> str:
@@ -73,10 +75,10 @@ class Setting:
             return "1"
         if self.kind == "enum":
             return next(iter(self.choice_map()), "")
-        return "/path/to/folder" if self.kind == "path" else "60"
+        return {"path": "/path/to/folder", "count": "200"}.get(self.kind, "60")
 
     def parse(self, raw):
-        """The value ``raw`` (a string, or None for unset) means: None when unset, else bool / str / float."""
+        """The value ``raw`` (a string, or None for unset) means: None when unset, else bool / str / float / int."""
         if raw is None:
             return None
         text = str(raw).strip()
@@ -103,6 +105,9 @@ class Setting:
                 value = -1.0
             if value >= 0:
                 return value
+        elif self.kind == "count":
+            if text.isdigit() and int(text) >= 1:
+                return int(text)
         raise ValueError(f"accel_fp8_fix: {self.label}={text!r} is not a valid value: accepted {self.accepted()}. "
                          f"It sets: {self.meaning}")
 
@@ -187,6 +192,8 @@ REGISTRY: dict = {s.name: s for s in (
     Setting("ACCEL_FP8_FIX_TEST_PROFILE", "path", "append one JSON line per multi-process launch (its ranks' start-up, "
             "scenario and exit times) to this file: scripts/suite_profile.py reads them (docs/testing.md)",
             owner="testing"),
+    Setting("ACCEL_FP8_FIX_TEST_POOL_MAX_THREADS", "count", "a pooled rank holding more OS threads than this after "
+            "a run closes its pool (accel_fp8_fix.testing.pool, docs/testing.md)", owner="testing", default="200"),
     Setting("ACCEL_FP8_FIX_COLLECTIVE_AUDIT", "path", "record this process's collectives into this folder for the "
             "cross-rank order check (accel_fp8_fix.testing.collective_order, docs/testing.md)", owner="testing",
             default="off"),

@@ -37,6 +37,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from .. import settings
 from . import DistributedTestError, _collective_divergences, _divergence_error, _importable, _tail, free_port
 
 __all__ = ["RankPool"]
@@ -61,7 +62,7 @@ class RankPool:
             raise ValueError(f"RankPool: world_size must be >= 1, got {world_size}")
         self.world_size, self.env, self.preload = world_size, dict(env or {}), tuple(preload)
         self.start_timeout = start_timeout
-        self.max_threads = max_threads or int(os.environ.get("ACCEL_FP8_FIX_TEST_POOL_MAX_THREADS", "200"))
+        self.max_threads = max_threads or settings.get("ACCEL_FP8_FIX_TEST_POOL_MAX_THREADS") or 200
         self.recycles = 0  # closes after a run that left a rank with more than max_threads OS threads
         self.starts = 0  # how many times the ranks were (re)started: 1 for a pool that never failed
         self.runs = 0

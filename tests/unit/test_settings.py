@@ -27,8 +27,8 @@ CLEAN_ENV = {k: v for k, v in os.environ.items()
              if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_FP8_", "ACCELERATE_MIXED"))}
 
 # a value each setting accepts (and what it means), and one it refuses (None: every non-empty value is accepted)
-GOOD = {"bool": ("Yes", True), "path": ("/tmp/audit", "/tmp/audit"), "seconds": ("2.5", 2.5)}
-BAD = {"bool": "banana", "enum": "banana", "path": None, "seconds": "soon"}
+GOOD = {"bool": ("Yes", True), "path": ("/tmp/audit", "/tmp/audit"), "seconds": ("2.5", 2.5), "count": (" 12 ", 12)}
+BAD = {"bool": "banana", "enum": "banana", "path": None, "seconds": "soon", "count": "0"}
 
 
 def _good(setting):
