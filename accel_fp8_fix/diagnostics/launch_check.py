@@ -206,10 +206,13 @@ def _layout_checks(cfg: dict) -> list[Check]:
                             unknown_sizes_message(unknown, "parallelism_config_{key}_size").removeprefix("accel_fp8_fix: "),
                             "\n".join(f"parallelism_config_{key}_size: 1" for key in unknown)))
 
-    refusal = refused_layout(sizes, fsdp=None)  # dp_replicate x tp / cp without dp_shard: refused at ParallelismConfig()
+    fp8 = str(cfg.get("mixed_precision", "no")).lower() == "fp8"
+    # dp_replicate x tp / cp without dp_shard: refused at ParallelismConfig() (by this package at Accelerator() for
+    # an FP8 run of dp_replicate x tp, which accelerate 1.16 takes)
+    refusal = refused_layout(sizes, fsdp=None, fp8=fp8)
     if refusal is not None:
-        checks.append(Check("layout", False, f"{refusal[0]}; accelerate refuses it at Accelerator()",
-                            "use " + refusal[1]))
+        who = "this package refuses" if "accelerate 1.16 takes" in refusal[0] else "accelerate refuses"
+        checks.append(Check("layout", False, f"{refusal[0]}; {who} it at Accelerator()", "use " + refusal[1]))
     total = math.prod(sizes.values())
     if dist_type == "FSDP" and total > 1 and sizes["dp_shard"] == 1 and sizes["cp"] == 1:
         checks.append(Check("FSDP shard dim", False, "FSDP with parallelism sizes but dp_shard 1 and cp 1: nothing "

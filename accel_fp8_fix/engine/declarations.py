@@ -2,7 +2,7 @@
 
 One file declares one patch set, pinned to one version window::
 
-    name = "accelerate-1.13-1.15"
+    name = "accelerate-1.13-1.16"
     kind = "fix"                      # "fix" (chosen by version) or "rehearsal" (CPU rehearsal only)
     summary = "..."
     internals = ["torch_fsdp2"]       # private internals used (accel_fp8_fix/internals/), checked at apply

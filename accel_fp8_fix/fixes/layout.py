@@ -1,8 +1,9 @@
 """Parallelism layouts accelerate refuses, refused here with the layout to use instead (fix id ``layout``).
 
-accelerate 1.13-1.15 refuses some combinations of ``ParallelismConfig`` sizes, with messages that do not name a
-layout that works (``dp_replicate x tp`` without ``dp_shard``: "set dp_replicate_size == 1 and dp_shard_size > 1 to
-compose HSDP + TP/CP" — HSDP needs ``dp_replicate > 1``). :func:`refused_layout` names the refusal and the layout to
+accelerate 1.13-1.16 refuses some combinations of ``ParallelismConfig`` sizes, with messages that do not name a
+layout that works (``dp_replicate x tp`` or ``x cp`` without ``dp_shard``: "set dp_replicate_size == 1 and
+dp_shard_size > 1 to compose HSDP + TP/CP" — HSDP needs ``dp_replicate > 1``; 1.16 takes ``dp_replicate x tp``, and
+then only an FP8 run is refused here: the FP8 fixes have not been tested on that layout). :func:`refused_layout` names the refusal and the layout to
 use instead; the doctor (``accel-fp8-fix doctor --launch``) and ``Accelerator()`` / ``ParallelismConfig()`` (the
 patches below, before accelerate's own checks run) say the same thing. Imports neither torch nor accelerate.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+
+from ..internals.accelerate_internals import replicate_with_tp_accepted
 
 SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
@@ -76,14 +79,34 @@ def _replicate_without_shard(s: dict, fsdp: bool) -> tuple[str, str]:
     return reason, instead
 
 
-def refused_layout(sizes: dict, fsdp: bool | None = None, processes: int | None = None) -> tuple[str, str] | None:
-    """``(what accelerate refuses, the layout to use instead)`` for these ``ParallelismConfig`` sizes (missing: 1),
-    with FSDP on or off (``None``: not known yet) on ``processes`` processes (``None``: not known); ``None`` when
-    accelerate takes the layout."""
+def _replicate_tp_under_fp8(s: dict) -> tuple[str, str]:
+    r, tp = s["dp_replicate"], s["tp"]
+    fsdp2 = {**s, "dp_replicate": 1, "dp_shard": r}
+    reason = (f"dp_replicate {r} x tp {tp} without dp_shard with mixed_precision fp8: accelerate 1.16 takes this "
+              "layout (whole TP replicas, no FSDP), but this package's FP8 fixes (TE conversion, FP8 state over the "
+              "mesh, checkpoints) have not been tested on it")
+    instead = (f"{_product(fsdp2)} (FSDP2 x tp {tp} on the same {math.prod(s.values())} processes: "
+               f"{_config_lines(fsdp2)}; distributed_type: FSDP, fsdp_version: 2), or the same layout in bf16 "
+               "(stock accelerate)")
+    return reason, instead
+
+
+def refused_layout(sizes: dict, fsdp: bool | None = None, processes: int | None = None, fp8: bool | None = None,
+                   replicate_tp: bool | None = None) -> tuple[str, str] | None:
+    """``(what is refused, the layout to use instead)`` for these ``ParallelismConfig`` sizes (missing: 1), with FSDP
+    on or off (``None``: not known yet) on ``processes`` processes (``None``: not known), FP8 on or off (``None``:
+    not known); ``None`` when the layout is taken. ``replicate_tp``: whether accelerate takes ``dp_replicate x tp``
+    without ``dp_shard`` (default: the installed accelerate's answer, 1.16 and later)."""
     s = {k: int(sizes.get(k) or 1) for k in SIZE_KEYS}
     total = math.prod(s.values())
     model_parallel = s["tp"] > 1 or s["cp"] > 1
-    if s["dp_replicate"] > 1 and s["dp_shard"] == 1 and (model_parallel or (fsdp and s["cp"] == 1)):
+    replicate_only = s["dp_replicate"] > 1 and s["dp_shard"] == 1
+    if replicate_only and s["tp"] > 1 and s["cp"] == 1 and not fsdp:
+        if replicate_tp is None:
+            replicate_tp = replicate_with_tp_accepted()
+        if replicate_tp:
+            return _replicate_tp_under_fp8(s) if fp8 else None
+    if replicate_only and (model_parallel or (fsdp and s["cp"] == 1)):
         return _replicate_without_shard(s, bool(fsdp))
     if fsdp and total > 1 and s["dp_shard"] == 1 and s["cp"] == 1:
         tp = s["tp"]
@@ -137,7 +160,7 @@ def check_accelerator_kwargs(kwargs: dict, environ=None) -> None:
         processes = int(environ.get("WORLD_SIZE", "0")) or None
     except ValueError:
         processes = None
-    refusal = refused_layout(sizes, fsdp=fsdp, processes=processes)
+    refusal = refused_layout(sizes, fsdp=fsdp, processes=processes, fp8=fp8)
     if refusal is not None:
         raise ValueError(_message(refusal))
 

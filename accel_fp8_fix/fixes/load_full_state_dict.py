@@ -1,6 +1,6 @@
 """``fsdp2_load_full_state_dict`` (cpu_ram_efficient_loading), done right (failures A5, A6: docs/failures.md).
 
-accelerate 1.13-1.15 reads ``.device_mesh`` on every ``model.state_dict()`` entry (plain buffers and TE
+accelerate 1.13-1.16 reads ``.device_mesh`` on every ``model.state_dict()`` entry (plain buffers and TE
 ``_extra_state`` raise ``'Tensor' object has no attribute 'device_mesh'``, A5), broadcasts rank 0's *local*
 TP shard while the other ranks allocate the global shape (size mismatch, A6), allocates the receive buffer
 with the model's dtype instead of the sender's, and then calls ``distribute_tensor`` with its default

@@ -1,6 +1,6 @@
 """``Accelerator.prepare`` for TE FP8 with FSDP2 and/or TP: convert *after* sharding, then turn FP8 on.
 
-Stock order (1.13-1.15): ``_prepare_tp`` -> ``_prepare_cp`` -> ``_prepare_te`` (convert full-size modules,
+Stock order (1.13-1.16): ``_prepare_tp`` -> ``_prepare_cp`` -> ``_prepare_te`` (convert full-size modules,
 A1) -> ``_prepare_fsdp2`` (no FP8 autocast, A2). Patched: the TP layout is recorded, ``_prepare_te``
 only validates, stock sharding runs, and then :func:`finish_fp8_prepare` converts on the sharded
 parameters, creates and registers the FP8 state, makes it identical on every rank, and wraps the

@@ -13,7 +13,7 @@ Stock accelerate, on a machine without CUDA, never reaches its FSDP2 or TP code:
   DistributedType.FSDP (version 2) or ...".
 
 The rehearsal lifts exactly these gates, with two wrappers (declared in
-``patches/rehearsal-accelerate-1.13-1.15.toml``, applied by the patch engine):
+``patches/rehearsal-accelerate-1.13-1.16.toml``, applied by the patch engine):
 
 ``AcceleratorState.__init__`` (:func:`accelerator_state_init`)
     When nothing is initialised yet, no CUDA device exists, the process was started by a torchrun-style

@@ -150,7 +150,7 @@ def test_doctor_reports_versions_set_and_mode():
     )
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert info["patch_set"] == "accelerate-1.13-1.15"
+    assert info["patch_set"] == "accelerate-1.13-1.16"
     assert info["versions"]["accelerate"].startswith("1.1")
     assert info["activation"]["this process"] == "environment (ACCEL_FP8_FIX=1)"
     assert info["activation"]["start-up trampoline (.pth) installed"] is True
@@ -190,7 +190,7 @@ def test_unsupported_real_accelerate_warns_and_leaves_it_untouched(old_accelerat
     first, warned = out.stdout.splitlines()
     assert first.split() == ["1.5.0", "function"]
     assert "unsupported versions" in warned and "accelerate 1.5.0" in warned
-    assert "accelerate-1.13-1.15: [accelerate <1.16,>=1.13" in warned  # names the supported windows
+    assert "accelerate-1.13-1.16: [accelerate <1.16,>=1.13" in warned  # names the supported windows
 
 
 def test_unsupported_real_accelerate_raises_in_strict_mode(old_accelerate):
@@ -251,7 +251,7 @@ def test_accelerate_config_flag_activates_every_worker_of_accelerate_launch(tmp_
         assert worker["flag_env"] == "True"
         assert worker["prepare_type"] == "FixWrapper" and worker["imported_by_startup"]
         assert worker["mode"].startswith("accelerate config")
-        assert worker["patch_set"] == "accelerate-1.13-1.15"
+        assert worker["patch_set"] == "accelerate-1.13-1.16"
 
 
 def test_env_var_activates_every_worker_of_torchrun(tmp_path):

@@ -10,8 +10,8 @@ from support import launcher
 def _disagree(rank, world_size):
     from accel_fp8_fix.distributed.agreement import PatchSetMismatchError, check_patch_set_agreement
 
-    check_patch_set_agreement("accelerate-1.13-1.15")  # agreeing first: passes, and rounds stay in step
-    chosen = "accelerate-1.13-1.15" if rank != 1 else "accelerate-1.8-1.12"
+    check_patch_set_agreement("accelerate-1.13-1.16")  # agreeing first: passes, and rounds stay in step
+    chosen = "accelerate-1.13-1.16" if rank != 1 else "accelerate-1.8-1.12"
     start = time.monotonic()
     try:
         check_patch_set_agreement(chosen, timeout=20)
@@ -24,7 +24,7 @@ def test_disagreeing_ranks_all_raise_naming_who_chose_what():
     results = launcher.run(_disagree, 3, timeout=90)
     for message, elapsed in results:
         assert message is not None
-        assert "'accelerate-1.13-1.15' on ranks [0, 2]" in message
+        assert "'accelerate-1.13-1.16' on ranks [0, 2]" in message
         assert "'accelerate-1.8-1.12' on ranks [1]" in message
         assert elapsed < 5
 
@@ -37,7 +37,7 @@ def _silent_rank(rank, world_size):
         return None
     start = time.monotonic()
     try:
-        check_patch_set_agreement("accelerate-1.13-1.15", timeout=3)
+        check_patch_set_agreement("accelerate-1.13-1.16", timeout=3)
     except PatchSetMismatchError as exc:
         return str(exc), time.monotonic() - start
     return None

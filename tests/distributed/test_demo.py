@@ -43,7 +43,7 @@ def test_demo_trains_fsdp2_x_tp_in_fp8_with_the_config_flag_only(tmp_path):
     out = proc.stdout
     assert "mesh ('dp_shard', 'tp') (2, 2), distributed type DistributedType.FSDP" in out
     assert out.count("FP8 active: True") == 2
-    assert "patch set: accelerate-1.13-1.15  (activated by: accelerate config" in out
+    assert "patch set: accelerate-1.13-1.16  (activated by: accelerate config" in out
     assert "TE modules: 14 converted after sharding (14 with TE-native TP), kept: ['lm_head']" in out
     assert "amax group ranks [0, 1, 2, 3]" in out
     # the FP8 coverage figure: every Linear weight but lm_head's (kept), from the demo's own model

@@ -62,7 +62,7 @@ def test_patch_set_is_declared_and_selected():
     sel = choose_patch_set("rehearsal")
     assert sel.supported, sel.reason
     ps = sel.patch_set
-    assert ps.kind == "rehearsal" and ps.name == "rehearsal-accelerate-1.13-1.15"
+    assert ps.kind == "rehearsal" and ps.name == "rehearsal-accelerate-1.13-1.16"
     assert {p.target for p in ps.patches} == {
         "accelerate.state:AcceleratorState.__init__",
         "accelerate.state:PartialState._prepare_backend",

@@ -109,7 +109,7 @@ def test_a_pool_runs_many_launches_in_the_same_interpreters_each_as_a_fresh_one_
     for before, after, new in zip(first, second, fresh):
         assert after["sum"] == 3.0 and after["recorded_before"] == 0  # a fresh group, a fresh audit per run
         assert after["leftover_env"] is None and not after["partial_state"]  # env and accelerate's state put back
-        assert after["patch_set"] == before["patch_set"] == new["patch_set"] == "accelerate-1.13-1.15"  # re-applied
+        assert after["patch_set"] == before["patch_set"] == new["patch_set"] == "accelerate-1.13-1.16"  # re-applied
         assert after["random"] == before["random"]  # torch's RNG put back to its start-up state
         # (not compared with the fresh run: torch >= 2.13 seeds each new process's default generator at random)
 

@@ -63,7 +63,7 @@ def test_ci_tests_the_newest_torch_minor_the_window_claims(releases):
     released = module.registry_versions("torch")
     from accel_fp8_fix.engine import load_patch_sets
 
-    window = next(s for s in load_patch_sets() if s.name == "accelerate-1.13-1.15").requires["torch"]
+    window = next(s for s in load_patch_sets() if s.name == "accelerate-1.13-1.16").requires["torch"]
     claimed = [v for v in released if window.contains(v)]
     newest_minor = f"{claimed[0].major}.{claimed[0].minor}"
     assert newest_ci == newest_minor, (f"scripts/ci_torch_window.sh's newest end is {newest_ci}; the newest torch "

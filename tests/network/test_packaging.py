@@ -62,7 +62,7 @@ def test_installed_wheel_finds_its_shipped_declarations(wheel, tmp_path):
     assert proc.returncode == 0, proc.stderr
     where, names = proc.stdout.splitlines()
     assert where == str(target / "accel_fp8_fix" / "_patches")
-    assert "accelerate-1.13-1.15" in names
+    assert "accelerate-1.13-1.16" in names
 
 
 def test_rehearsal_wheel_holds_exactly_the_rehearsal(rehearsal_wheel):
@@ -88,6 +88,6 @@ def test_runtime_wheel_alone_activates_without_any_rehearsal_or_te(wheel, tmp_pa
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     patch_set, rehearsal, dists = proc.stdout.splitlines()
-    assert patch_set == "accelerate-1.13-1.15"  # the fixes activate from the runtime wheel alone
+    assert patch_set == "accelerate-1.13-1.16"  # the fixes activate from the runtime wheel alone
     assert rehearsal == "None"  # no rehearsal module importable from it
     assert dists == "['accel_fp8_fix']"  # and no (fake or real) transformer-engine distribution with it

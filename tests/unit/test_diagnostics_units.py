@@ -247,7 +247,7 @@ def test_doctor_cli(tmp_path):
     bad = run("--launch", _config(tmp_path, num_processes=3), "--json")
     assert bad.returncode == 1 and json.loads(bad.stdout)["failed"] == ["process count"]
     plain = run()  # the existing doctor output is unchanged
-    assert plain.returncode == 0 and "patch set   : accelerate-1.13-1.15" in plain.stdout
+    assert plain.returncode == 0 and "patch set   : accelerate-1.13-1.16" in plain.stdout
 
 
 def test_public_collectives_refuse_a_plain_tensor_without_a_mesh():

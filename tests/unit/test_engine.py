@@ -300,7 +300,7 @@ def _probe(tamper: str) -> dict:
 
 def test_untampered_internals_let_the_set_apply():
     got = _probe("")
-    assert got["patch_set"] == "accelerate-1.13-1.15" and got["error"] == "" and got["prepare_wrapped"]
+    assert got["patch_set"] == "accelerate-1.13-1.16" and got["error"] == "" and got["prepare_wrapped"]
 
 
 def test_a_renamed_private_internal_refuses_the_whole_set_naming_it_and_the_version():

@@ -13,6 +13,7 @@ import yaml
 
 from accel_fp8_fix.diagnostics.launch_check import check_launch_config
 from accel_fp8_fix.fixes.layout import refused_layout
+from accel_fp8_fix.internals.accelerate_internals import replicate_with_tp_accepted
 
 ROOT = Path(__file__).resolve().parents[2]
 CLEAN_ENV = {k: v for k, v in os.environ.items()
@@ -20,13 +21,36 @@ CLEAN_ENV = {k: v for k, v in os.environ.items()
 
 
 def test_dp_replicate_x_tp_without_dp_shard_names_fsdp2_x_tp_and_hsdp_x_tp():
-    reason, instead = refused_layout({"dp_replicate": 2, "tp": 2})
+    """accelerate 1.13-1.15 refuse dp_replicate x tp / cp without dp_shard at ParallelismConfig()."""
+    reason, instead = refused_layout({"dp_replicate": 2, "tp": 2}, replicate_tp=False)
     assert reason.startswith("dp_replicate 2 x tp 2 without dp_shard")
     assert instead.startswith("dp_shard 2 x tp 2 (FSDP2 x tp 2 on the same 4 processes")
-    _, instead = refused_layout({"dp_replicate": 4, "tp": 2})
+    _, instead = refused_layout({"dp_replicate": 4, "tp": 2}, replicate_tp=False)
     assert "or dp_replicate 2 x dp_shard 2 x tp 2 (HSDP x tp 2" in instead
-    _, instead = refused_layout({"dp_replicate": 2, "cp": 2})
+    _, instead = refused_layout({"dp_replicate": 2, "cp": 2}, replicate_tp=False)
     assert instead.startswith("dp_shard 2 x cp 2")
+
+
+def test_accelerate_1_16_takes_dp_replicate_x_tp_and_only_an_fp8_run_is_refused():
+    """accelerate 1.16 (#4193) takes whole TP replicas without FSDP: stock for bf16 and unknown precision (the
+    ParallelismConfig() patch), refused by name for FP8 (untested here); cp keeps accelerate's refusal."""
+    assert refused_layout({"dp_replicate": 2, "tp": 2}, replicate_tp=True) is None
+    assert refused_layout({"dp_replicate": 2, "tp": 2}, fp8=False, replicate_tp=True) is None
+    reason, instead = refused_layout({"dp_replicate": 2, "tp": 2}, fp8=True, replicate_tp=True)
+    assert reason.startswith("dp_replicate 2 x tp 2 without dp_shard with mixed_precision fp8: accelerate 1.16 takes")
+    assert instead.startswith("dp_shard 2 x tp 2 (FSDP2 x tp 2") and "bf16" in instead
+    reason, _ = refused_layout({"dp_replicate": 2, "cp": 2}, replicate_tp=True)
+    assert reason.startswith("dp_replicate 2 x cp 2 without dp_shard: accelerate refuses")
+    reason, _ = refused_layout({"dp_replicate": 2, "tp": 2}, fsdp=True, replicate_tp=True)
+    assert reason.startswith("dp_replicate 2 x tp 2 without dp_shard: accelerate refuses")
+
+
+def test_the_installed_accelerate_decides_whether_replicas_of_tp_are_taken():
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    assert replicate_with_tp_accepted() is (Version(version("accelerate")) >= Version("1.16"))
 
 
 def test_fsdp_without_a_shard_dim_and_process_mismatch_name_the_layout_to_use():
@@ -70,11 +94,16 @@ else:
 """
 
 
+REPLICATE_TP = "ok" if replicate_with_tp_accepted() else "refused: accel_fp8_fix: dp_replicate 2 x tp 2 without dp_shard"
+
+
 @pytest.mark.parametrize("call,env,expect", [
-    ("ParallelismConfig(dp_replicate_size=2, tp_size=2)", {},
+    ("ParallelismConfig(dp_replicate_size=2, tp_size=2)", {}, REPLICATE_TP),
+    ("ParallelismConfig(dp_replicate_size=2, cp_size=2)", {},
+     "refused: accel_fp8_fix: dp_replicate 2 x cp 2 without dp_shard"),
+    ("Accelerator(mixed_precision='fp8')", {"ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+                                            "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"},
      "refused: accel_fp8_fix: dp_replicate 2 x tp 2 without dp_shard"),
-    ("Accelerator()", {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
-                       "PARALLELISM_CONFIG_TP_SIZE": "2"}, "refused: accel_fp8_fix: dp_replicate 2 x tp 2 without dp_shard"),
     ("Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))", {"WORLD_SIZE": "8"},
      "refused: accel_fp8_fix: dp_shard 2 x tp 2 multiplies to 4 but 8 processes run"),
     ("ParallelismConfig(dp_shard_size=2, tp_size=2)", {}, "ok"),

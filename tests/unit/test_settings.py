@@ -96,8 +96,8 @@ def test_each_setting_accepts_its_spellings_and_names_everything_else(name):
 def test_recipe_setting_takes_te_class_names_and_the_patch_set_its_declared_names():
     assert settings.parse("ACCELERATE_FP8_RECIPE", "Float8CurrentScaling") == "current"
     assert settings.parse("ACCELERATE_FP8_RECIPE", "delayed-scaling") == "delayed"
-    assert settings.parse("ACCEL_FP8_FIX_PATCH_SET", "accelerate-1.13-1.15") == "accelerate-1.13-1.15"
-    with pytest.raises(ValueError, match="accelerate-1.13-1.15"):
+    assert settings.parse("ACCEL_FP8_FIX_PATCH_SET", "accelerate-1.13-1.16") == "accelerate-1.13-1.16"
+    with pytest.raises(ValueError, match="accelerate-1.13-1.16"):
         settings.parse("ACCEL_FP8_FIX_PATCH_SET", "accelerate-9")
 
 
@@ -170,7 +170,7 @@ def test_doctor_and_run_agree_on_a_good_value(tmp_path, name):
     setting = settings.REGISTRY[name]
     value, meaning = _good(setting)
     if name == "ACCEL_FP8_FIX_PATCH_SET":
-        value = meaning = "accelerate-1.13-1.15"
+        value = meaning = "accelerate-1.13-1.16"
     verdict, failed, run = _doctor_and_run(tmp_path, name, value)
     assert run == meaning and not failed, str(verdict)
 
@@ -297,12 +297,12 @@ for case in json.loads(sys.argv[1]):  # one Accelerator() per case, accelerate's
     PartialState._reset_state()
 """
 ACCELERATOR_CASES = [
-    ({"ACCELERATE_FP8_RECIPE": "current"}, "ok True accelerate-1.13-1.15"),
+    ({"ACCELERATE_FP8_RECIPE": "current"}, "ok True accelerate-1.13-1.16"),
     ({"ACCELERATE_FP8_RECIPE": "current", "ACCELERATE_FP8_AMAX_HISTORY_LEN": "16"},
      "refused: accel_fp8_fix: amax_history_len set for the 'current' recipe"),
     ({"ACCELERATE_FP8_RECIPE": "fp6"}, "refused: accel_fp8_fix: fp8_config.recipe (ACCELERATE_FP8_RECIPE)='fp6'"),
     ({"ACCEL_FP8_FIX_LOG_RANKS": "some"}, "refused: accel_fp8_fix: ACCEL_FP8_FIX_LOG_RANKS='some'"),
-    ({"ACCELERATE_FP8_RECIPE": "current"}, "ok True accelerate-1.13-1.15"),  # nothing a refusal left behind
+    ({"ACCELERATE_FP8_RECIPE": "current"}, "ok True accelerate-1.13-1.16"),  # nothing a refusal left behind
 ]
 
 

@@ -20,8 +20,8 @@ INSTALLED = {"accelerate": "1.15.0", "torch": "2.13.0", "transformer-engine": "2
 
 @pytest.mark.parametrize("versions,allowed,chosen", [
     ({"torch": "2.16.0"}, False, None),
-    ({"torch": "2.16.0"}, True, "accelerate-1.13-1.15"),
-    ({"accelerate": "1.16.0", "torch": "2.17.1"}, True, "accelerate-1.13-1.15"),
+    ({"torch": "2.16.0"}, True, "accelerate-1.13-1.16"),
+    ({"accelerate": "1.16.0", "torch": "2.17.1"}, True, "accelerate-1.13-1.16"),
     ({"torch": "2.10.0"}, True, None),  # older than the window: never
     ({"accelerate": "1.12.0", "torch": "2.16.0"}, True, None),  # one older, one newer: never
     ({"torch": "2.16.0.dev20261201"}, True, None),  # a pre-release of the window's bound is not newer than it
@@ -36,7 +36,7 @@ def test_only_releases_newer_than_the_window_are_tried(monkeypatch, versions, al
         assert f"torch {versions['torch']} (window <2.16,>=2.11)" in selection.reason
         assert "signatures" in selection.reason and "upstream sources by sha256" in selection.reason
     elif versions == {"torch": "2.16.0"}:  # switch off: the warning says what the switch would do
-        assert "ACCEL_FP8_FIX_ALLOW_UNTESTED=1 would try accelerate-1.13-1.15" in selection.reason
+        assert "ACCEL_FP8_FIX_ALLOW_UNTESTED=1 would try accelerate-1.13-1.16" in selection.reason
     else:
         assert "ALLOW_UNTESTED" not in selection.reason
 
@@ -61,7 +61,7 @@ def _probe(tmp_path, mode: str, allowed: str) -> dict:
 
 def test_a_newer_torch_over_unchanged_sources_applies_and_says_so_once(tmp_path):
     out = _probe(tmp_path, "same", "1")
-    assert out["patch_set"] == "accelerate-1.13-1.15" and out["error"] == "" and out["applied"] > 10
+    assert out["patch_set"] == "accelerate-1.13-1.16" and out["error"] == "" and out["applied"] > 10
     said = [w for w in out["warnings"] if "untested release" in w]
     assert len(said) == 1 and "torch 2.16.0 (window <2.16,>=2.11)" in said[0]
 
@@ -77,4 +77,4 @@ def test_without_the_switch_nothing_is_patched_and_the_warning_says_what_it_woul
     out = _probe(tmp_path, "same", "0")
     assert out["patch_set"] is None and out["applied"] == 0
     (said,) = [w for w in out["warnings"] if "nothing patched" in w]
-    assert "torch 2.16.0" in said and "ACCEL_FP8_FIX_ALLOW_UNTESTED=1 would try accelerate-1.13-1.15" in said
+    assert "torch 2.16.0" in said and "ACCEL_FP8_FIX_ALLOW_UNTESTED=1 would try accelerate-1.13-1.16" in said
