@@ -190,7 +190,7 @@ def test_unsupported_real_accelerate_warns_and_leaves_it_untouched(old_accelerat
     first, warned = out.stdout.splitlines()
     assert first.split() == ["1.5.0", "function"]
     assert "unsupported versions" in warned and "accelerate 1.5.0" in warned
-    assert "accelerate-1.13-1.16: [accelerate <1.16,>=1.13" in warned  # names the supported windows
+    assert "accelerate-1.13-1.16: [accelerate <1.17,>=1.13" in warned  # names the supported windows
 
 
 def test_unsupported_real_accelerate_raises_in_strict_mode(old_accelerate):

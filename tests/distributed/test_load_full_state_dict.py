@@ -23,6 +23,7 @@ from torch import nn
 import accel_fp8_fix
 from accel_fp8_fix.testing import DistributedTestError
 from support import launcher
+from support import versions as V
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -202,7 +203,17 @@ def fsdp_buffers_extra_state(rank, world):
     acc = _accelerator(rank)
     full_sd = _full_sd_for(rank, ref.state_dict())
 
-    stock = _stock_error(acc, meta, full_sd)
+    if V.accelerate_at_least("1.16"):
+        # 1.16 loads plain buffers, but rank 0 meets a non-tensor extra state before its broadcast while the
+        # others wait in theirs (a hang): stock is asked about the buffers alone
+        plain = _reference(extras=False)
+        plain_meta = _meta_copy(plain)
+        fully_shard(plain_meta, mesh=mesh)
+        stock = _stock_error(acc, plain_meta, _full_sd_for(rank, plain.state_dict()))
+        if stock is None:
+            torch.testing.assert_close(plain_meta.scale, plain.scale, rtol=0, atol=0)
+    else:
+        stock = _stock_error(acc, meta, full_sd)
 
     # a key missing from rank 0's full state dict: every rank raises, naming it (no rank left hanging)
     broken = {k: v for k, v in full_sd.items() if k != "down.weight"} if rank == 0 else full_sd
@@ -223,7 +234,10 @@ def fsdp_buffers_extra_state(rank, world):
 def test_a5_fsdp2_buffers_and_extra_state():
     out = launcher.run(fsdp_buffers_extra_state, 2, timeout=90)
     for r in out:
-        assert "'Tensor' object has no attribute 'device_mesh'" in r["stock"], r["stock"]
+        if V.accelerate_at_least("1.16"):
+            assert r["stock"] is None  # 1.16 fixed the plain-buffer half of A5 (the extra-state half stays)
+        else:
+            assert "'Tensor' object has no attribute 'device_mesh'" in r["stock"], r["stock"]
         assert r["missing"] and "'down.weight'" in r["missing"] and "missing from rank 0" in r["missing"]
     assert out[0]["bytes"] > 0
 

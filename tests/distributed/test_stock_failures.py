@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from support import scenarios as S
+from support import versions as V
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +66,18 @@ def test_a4_convert_model_stops_at_a_non_divisible_linear(two):
 
 @pytest.mark.parametrize("kind", ["buffer", "te"])
 def test_a5_cpu_ram_efficient_loading_plain_state_dict_entries(two, kind):
+    """1.13-1.15 read ``.device_mesh`` of every entry; 1.16 broadcasts plain tensors whole (a buffer loads) but
+    still asks the module for ``_extra_state`` as an attribute (TE modules fail)."""
+    new = V.accelerate_at_least("1.16")
     for f in _facts(two, S.PLAN_2RANK, "sc_a5_ram_efficient", {"kind": kind}):
         assert f["distributed_type"] == "FSDP" and f["is_fsdp2"]
-        assert f["prepare_error"] == "AttributeError: 'Tensor' object has no attribute 'device_mesh'"
+        if new and kind == "buffer":
+            assert f["prepare_error"] is None and f["mismatched_after_load"] == [], f
+            continue
+        if new:
+            assert f["prepare_error"] == "AttributeError: 'LayerNorm' object has no attribute '_extra_state'"
+        else:
+            assert f["prepare_error"] == "AttributeError: 'Tensor' object has no attribute 'device_mesh'"
         if kind == "buffer":
             assert f["plain_state_dict_entries"] == ["scale"]
         else:

@@ -22,6 +22,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def accelerate_at_least(release: str) -> bool:
+    """Whether the accelerate this interpreter imports (the venv's, or a shadowing copy on PYTHONPATH) is
+    ``release`` or newer: stock behaviours the suite asserts changed with some releases (docs/failures.md)."""
+    import accelerate
+    from packaging.version import Version
+
+    return Version(accelerate.__version__) >= Version(release)
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("ACCEL_FP8_FIX_TEST_CACHE", Path.home() / ".cache" / "accel_fp8_fix"))
 
