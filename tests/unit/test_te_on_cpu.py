@@ -326,3 +326,15 @@ def test_mxfp8_blocks_scale_by_their_own_amax_and_round_trip():
         assert float(decoded.abs().max()) <= 448.0
     padded = tex._padded_scales(tex.mxfp8_quantize_2d(x, E4M3, False)[1], False, 64, 64)
     assert padded.shape == (128, 4)  # MXFP8Quantizer::get_scale_shape: roundup(M, 128) x roundup(K/32, 4)
+
+
+# -- issue 28 item 2: an empty per-tensor FP8 transpose (transpose.cpp:43-46) ------------------------------------
+@pytest.mark.parametrize("shape", [[5, 0], [0, 7], [2, 0, 3]])
+def test_fp8_transpose_of_an_empty_tensor_is_empty(shape):
+    """transpose.cpp fp8_transpose: the output [last, *rest] is allocated, then returned untouched when M or N is 0."""
+    bits = torch.empty(shape, dtype=torch.uint8)
+    want = [shape[-1], *shape[:-1]]
+    assert list(tex.fp8_transpose(bits, E4M3).shape) == want
+    out = torch.empty(want, dtype=torch.uint8)
+    assert tex.fp8_transpose(bits, E4M3, out=out) is out
+    assert list(tex._untranspose(torch.empty(want, dtype=torch.uint8)).shape) == shape

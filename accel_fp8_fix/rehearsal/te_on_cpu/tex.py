@@ -331,6 +331,8 @@ def _transpose_shape(shape):
 def _transpose_bits(bits: torch.Tensor) -> torch.Tensor:
     if bits.dim() == 0:
         return bits.clone()
+    if bits.numel() == 0:  # transpose.cpp fp8_transpose: allocated [last, *rest], returned before the kernel
+        return torch.empty(_transpose_shape(bits.shape), dtype=bits.dtype)
     last = bits.shape[-1]
     return bits.reshape(-1, last).t().contiguous().reshape(_transpose_shape(bits.shape))
 
@@ -339,6 +341,8 @@ def _untranspose(bits_t: torch.Tensor) -> torch.Tensor:
     """Logical (row-major) layout of a ``_transpose`` buffer of shape ``[last, *rest]``."""
     first = bits_t.shape[0]
     rest = list(bits_t.shape[1:])
+    if bits_t.numel() == 0:
+        return torch.empty([*rest, first], dtype=bits_t.dtype)
     return bits_t.reshape(first, -1).t().contiguous().reshape(*rest, first)
 
 
