@@ -338,3 +338,35 @@ def test_fp8_transpose_of_an_empty_tensor_is_empty(shape):
     out = torch.empty(want, dtype=torch.uint8)
     assert tex.fp8_transpose(bits, E4M3, out=out) is out
     assert list(tex._untranspose(torch.empty(want, dtype=torch.uint8)).shape) == shape
+
+
+# -- issue 28 item 2: a strided plain operand, which TE's extension would misread --------------------------------
+def _gemm(a, transa, b, transb, d=None):
+    f32 = tex.DType.kFloat32
+    return tex.generic_gemm(a, transa, b, transb, d, None, f32, None, f32, False, None, False, None, 0, False, False)
+
+
+def test_a_strided_plain_operand_is_refused_naming_operand_and_strides():
+    """TE's extension wraps a plain tensor by its data_ptr and sizes only (pytorch/csrc/common.cpp:134-146, its
+    .contiguous() commented out), so cuBLAS would read a strided operand as row-major: another matrix. The
+    rehearsal refuses it with its own message rather than compute the right answer."""
+    torch.manual_seed(2)
+    w, x = torch.randn(32, 32)[:, ::2], torch.randn(8, 16)  # w: [32, 16], strides (32, 2)
+    with pytest.raises(RuntimeError, match=r"operand A: .*strides \(32, 2\).*CPU rehearsal") as refused:
+        _gemm(w, True, x, False)
+    assert "common.cpp" in str(refused.value) and "[32, 16]" in str(refused.value)
+    with pytest.raises(RuntimeError, match=r"operand B: .*strides \(1, 8\)"):
+        _gemm(w.contiguous(), True, torch.randn(16, 8).t(), False)
+    with pytest.raises(RuntimeError, match=r"output D: .*strides \(1, 8\)"):
+        _gemm(w.contiguous(), True, x, False, torch.empty(32, 8).t())
+    got = _gemm(w.contiguous(), True, x, False)[0]  # contiguous: computed
+    assert torch.allclose(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gemm_inherits_the_strided_operand_refusal():
+    empty = [torch.empty(0)] * 2
+    w = [torch.randn(8, 16), torch.randn(16, 8).t()]
+    x = [torch.randn(4, 16), torch.randn(6, 16)]
+    with pytest.raises(RuntimeError, match=r"operand A: .*strides \(1, 8\)"):
+        tex.te_general_grouped_gemm(w, True, x, False, None, tex.DType.kFloat32, [4, 6], empty, tex.DType.kFloat32,
+                                    False, empty, False, empty, 0, False, False, 0)

@@ -1327,6 +1327,25 @@ def _check_gemm_output(D, expected: list, output_dtype, accumulate: bool, beta) 
                                f"found {int(found) if found is not None else D.dtype})")
 
 
+def _is_quantized(t) -> bool:
+    return _is_float8(t) or _is_mxfp8(t) or _is_block_fp8(t) or _is_nvfp4(t)
+
+
+def _refuse_strided(op: str, name: str, t) -> None:
+    """The rehearsal's own refusal (TE has none): TE's extension wraps a plain tensor by ``data_ptr()`` and sizes,
+    never its strides (pytorch/csrc/common.cpp:134-146, ``makeTransformerEngineTensor``: its ``.contiguous()`` is
+    commented out, 137-140), so cuBLAS reads a strided tensor as if it were row-major: on a GPU the GEMM silently
+    uses other elements. Computing the right answer here would hide that; the rehearsal refuses instead."""
+    if t is None or not isinstance(t, torch.Tensor) or _is_quantized(t) or t.is_contiguous():
+        return
+    raise RuntimeError(
+        f"{op} {name}: a non-contiguous tensor (shape {list(t.shape)}, strides {tuple(t.stride())}) refused by the "
+        f"CPU rehearsal (accel_fp8_fix.rehearsal.te_on_cpu): TE's extension hands cuBLAS its data_ptr as a "
+        f"row-major {list(t.shape)} matrix and ignores the strides (transformer_engine/pytorch/csrc/common.cpp:134-146"
+        "), so a GPU would compute with other elements than these, silently; pass a contiguous tensor "
+        "(.contiguous())")
+
+
 def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_type, gelu, gelu_in,
                  grad, workspace, workspace_size, accumulate, use_split_accumulator,
                  comm_overlap=None, comm_type=None, extra_output=None, bulk_overlap=False,
@@ -1335,6 +1354,8 @@ def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_ty
     if comm_overlap is not None:
         raise NotImplementedError("transformer_engine_torch.generic_gemm with comm_overlap "
                                   "(userbuffers): not implemented by the CPU rehearsal")
+    for name, t in (("operand A", A), ("operand B", B), ("output D", D)):
+        _refuse_strided("generic_gemm", name, t)
     a, a_fp8, a_dtype, _ = _operand(A, transA, "generic_gemm operand A")
     b, b_fp8, b_dtype, b_shape = _operand(B, not transB, "generic_gemm operand B")
     if a_fp8 != b_fp8:
