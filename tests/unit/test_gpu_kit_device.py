@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from gpu_kit import device, kit  # noqa: E402
+from gpu_kit import device, gpu_run, kit  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 
@@ -146,7 +146,7 @@ def test_tes_own_cublaslt_reading_replaces_the_probes(h200):
     assert device.with_te_answers(facts, {"te_cublaslt": "unread: AttributeError"}) is facts
 
 
-@pytest.mark.parametrize("module", ["device.py", "kit.py"])
+@pytest.mark.parametrize("module", ["gpu_run.py", "device.py", "kit.py"])
 def test_the_gpu_side_modules_import_only_the_standard_library(module):
     """Nothing is installed on the GPU machine when they start (torch is imported inside functions only)."""
     tree = ast.parse((ROOT / "gpu_kit" / module).read_text())
@@ -154,3 +154,37 @@ def test_the_gpu_side_modules_import_only_the_standard_library(module):
     names = {alias.name.split(".")[0] for node in top if isinstance(node, ast.Import) for alias in node.names}
     names |= {node.module.split(".")[0] for node in top if isinstance(node, ast.ImportFrom) and node.module}
     assert names <= set(sys.stdlib_module_names) | {"gpu_kit", "__future__"}, names
+
+
+# -- wired into the kit's first stage --------------------------------------------------------------------------
+def test_the_probe_records_the_facts_and_fails_on_a_deciding_field(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_run, "STATE", tmp_path / "state")
+    monkeypatch.setattr(gpu_run, "ranks_probe", lambda run, out: {})  # no torchrun here
+    monkeypatch.setattr(gpu_run.device, "read", lambda names: _facts(capability=[10, 0], sm_count=148))
+    monkeypatch.setattr(gpu_run, "machine_facts", lambda: gpu_run.read_device({"python": "3.12"}))
+    assert gpu_run.probe(tmp_path / "out") == 1
+    written = json.loads((tmp_path / "out" / "probe.json").read_text())
+    assert written["device"]["l2_cache"] == 60 * MIB and written["device"]["te_distributions"]
+    assert written["device_check"]["failed"] == {"capability": "device 10.0, profile 9.0"}
+    assert written["device_check"]["warnings"] == {"sm_count": "device 148, profile 132"}
+    assert json.loads((tmp_path / "state" / "machine.json").read_text())["device_check"] == written["device_check"]
+
+    monkeypatch.setattr(gpu_run.device, "read", lambda names: _facts(sm_count=148))
+    assert gpu_run.probe(tmp_path / "out") == 0  # a warning only
+
+
+def test_results_and_summary_carry_the_facts_and_the_verdict(monkeypatch, tmp_path):
+    run = gpu_run.Run(tmp_path, budget=60)
+    run.results["machine"] = {"python": "3.12", "device": _facts(l2_cache=50 * MIB, cublaslt_read="test")}
+    run.results["machine"]["device_check"] = device.check(run.results["machine"]["device"])
+    run.stage("device", **run.results["machine"]["device_check"])
+    gpu_run.recheck_device(run, {"import": "ok", "te_cublaslt": 120804})  # TE's own answer decides
+    gpu_run.summary(run)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["stages"]["device"]["verdict"] == "fail"
+    assert results["stages"]["device"]["failed"] == {"cublaslt": "device 120804, profile 130100"}
+    assert results["stages"]["device"]["warnings"]["l2_cache"].startswith("device 50.0 MiB")
+    text = (tmp_path / "summary.md").read_text()
+    assert "Device: capability 9.0, CUDA 13.0, cuBLASLt 120804 (transformer_engine_torch.get_cublasLt_version())" in text
+    assert "132 SMs, L2 50.0 MiB, memory 139.8 GiB" in text
+    assert "**device against the rehearsal's profile h200-cu130: FAIL; cublaslt FAILS" in text
