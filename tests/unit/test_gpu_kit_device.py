@@ -185,6 +185,6 @@ def test_results_and_summary_carry_the_facts_and_the_verdict(monkeypatch, tmp_pa
     assert results["stages"]["device"]["failed"] == {"cublaslt": "device 120804, profile 130100"}
     assert results["stages"]["device"]["warnings"]["l2_cache"].startswith("device 50.0 MiB")
     text = (tmp_path / "summary.md").read_text()
-    assert "Device: capability 9.0, CUDA 13.0, cuBLASLt 120804 (transformer_engine_torch.get_cublasLt_version())" in text
+    assert "Device: capability 9.0, CUDA 13.0, cuBLASLt 120804 (transformer_engine_torch.get_cublasLt_version()" in text
     assert "132 SMs, L2 50.0 MiB, memory 139.8 GiB" in text
     assert "**device against the rehearsal's profile h200-cu130: FAIL; cublaslt FAILS" in text
