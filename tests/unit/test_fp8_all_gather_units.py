@@ -87,7 +87,7 @@ def test_block_scaling_is_served_with_128x128_weight_tiles_only():
 
 def test_te_recipe_kwargs_refuses_an_unserved_recipe_and_records_the_switch():
     from accel_fp8_fix.fixes.recipe_kwargs import te_recipe_kwargs
-    from accel_fp8_fix.fixes.recipes import all_gather_choice
+    from accel_fp8_fix.fixes.handler_choices import all_gather_choice
 
     with pytest.raises(policy.Fp8AllGatherError, match="MXFP8BlockScaling"):
         te_recipe_kwargs(recipe="mxfp8", all_gather="fp8")
