@@ -64,7 +64,7 @@ class _PerTensorGather:
         scales, i = self.scales, self.index
         scales.record.check_current(self.record_index)
         if local.numel():
-            bits = te_internals.quantized_bits(scales.quantizers[i](local.detach()))
+            bits = te_internals.quantized_bits(scales.weight_quantizers[i](local.detach()))
             if bits.shape != self.padded_size:  # the last rank's short shard: zero rows (dropped after the gather)
                 padded = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
                 padded[: bits.shape[0]].copy_(bits)
@@ -86,7 +86,7 @@ class _PerTensorGather:
         # ``scale_inv`` is allocated here, once, as a normal tensor even under inference_mode (an evaluation first);
         # later gathers copy into it (``refill_float8``).
         fp8_dtype = self.scales.params.fp8_dtype
-        quantizer = self.scales.quantizers[self.index]
+        quantizer = self.scales.weight_quantizers[self.index]
         with torch.inference_mode(False):
             own_scale_inv = scale_inv.clone()
         return te_internals.make_float8(data, own_scale_inv, fp8_dtype, param_dtype, quantizer), (gathered,)

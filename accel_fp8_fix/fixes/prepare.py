@@ -19,7 +19,7 @@ from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
 from ..distributed.dtensor import is_dtensor
 from ..engine.engine import calling_patch_set
-from ..internals.transformer_engine import gemms_per_forward
+from ..internals.transformer_engine import FP8_STATE_ATTRS, gemms_per_forward, init_fp8_metadata
 from .activation_checkpointing import route_checkpointing_through_te
 from .checkpoint import keep_fp8_state_in_checkpoints
 from . import fp8_all_gather
@@ -178,10 +178,10 @@ def finish_fp8_prepare(accelerator, model, plan: Fp8Plan) -> Fp8Setup:
     # FP8 state now, on the module's device (as the first FP8 forward would create it), then registered.
     with torch.no_grad(), te_autocast(te)(True, recipe, group):
         for module in conversion.te_modules:
-            module.init_fp8_metadata(num_gemms=gemms_per_forward(module))
+            init_fp8_metadata(module, gemms_per_forward(module))
     if plan.all_gather:
         setup.all_gather = fp8_all_gather.install(model, conversion.te_modules, recipe, group)
-    setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=("fp8_meta",))
+    setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=FP8_STATE_ATTRS)
     for module in conversion.te_modules:
         install_safe_loading(module)
         keep_fp8_state_in_checkpoints(module)  # also after an eval pass, where TE would save none (A19)

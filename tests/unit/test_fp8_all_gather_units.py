@@ -216,7 +216,7 @@ def test_the_scales_are_one_packed_reduction_into_buffers_allocated_once():
     assert scales.refresh() and scales.reductions == 2
     assert float(scales.scale[1]) == float(want[1]) / 2 and (scales.scale.data_ptr(), scales.scale_inv.data_ptr()) == buffers
     assert [v.data_ptr() for v in scales.scale_inv_views] == views  # what each gather passes: the same storage
-    assert all(q.scale.data_ptr() == scales.scale[j:j + 1].data_ptr() for j, q in enumerate(scales.quantizers))
+    assert all(q.scale.data_ptr() == scales.scale[j:j + 1].data_ptr() for j, q in enumerate(scales.weight_quantizers))
 
 
 def test_fsdp2_is_told_to_keep_the_all_gather_outputs():
