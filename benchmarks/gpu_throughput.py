@@ -69,12 +69,12 @@ def _substitute_recipe(config: str):
     """Make the package's prepare build TE's ``config`` recipe instead of what accelerate's kwargs express."""
     import transformer_engine.common.recipe as te_recipe
 
-    import accel_fp8_fix.fixes.prepare as prepare
+    import accel_fp8_fix.fixes.recipes as recipes
 
     make = {"fp8-current": lambda: te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID),
             "fp8-block": lambda: te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3),
             "fp8-mxfp8": lambda: te_recipe.MXFP8BlockScaling(fp8_format=te_recipe.Format.E4M3)}[config]
-    prepare.build_recipe = lambda handler: (make(), False)
+    recipes.build = lambda handler, checked=None: (make(), False)  # what the prepare's plan (fixes/fp8_plan.py) builds
 
 
 def _quantized(operand) -> bool:

@@ -1,6 +1,11 @@
 """What runs on the GPU machine (``receive``, ``probe``, ``run``) and the install both there and in the CPU
 dry run (``install``). Standard library at import: nothing is installed yet when this starts.
 
+The first stage (``probe``, or ``run`` without one) reads the device (``gpu_kit.device``: capability, CUDA,
+cuBLASLt, cuDNN, SMs, L2, memory, the pins' TE distributions) and checks it against the profile the CPU
+rehearsal answers as: a field TE decides from that disagrees fails (exit 1, after every result is written),
+the rest warn. results.json (``machine.device``, stage ``device``) and summary.md carry both.
+
 ``run`` keeps to a time budget (``--budget`` seconds, under the device command's 600 s limit): each stage
 gets what is left, at most its own cap, and results are written under ``--out`` as they come, so a stage
 that runs out of time still leaves the others' results. At most 8 files go to ``--out`` (the device tool
@@ -21,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_kit import kit
+from gpu_kit import device, kit
 
 STATE = kit.KIT_DIR / "state"  # stays on the warm machine between commands (ignored path)
 RANKS_BACKEND = "cuda:gloo,cpu:gloo"
@@ -108,6 +113,14 @@ def machine_facts() -> dict:
     libstdcxx = _libstdcxx_glibcxx()
     if libstdcxx:
         facts["libstdcxx_newest_GLIBCXX"] = libstdcxx
+    return read_device(facts)
+
+
+def read_device(facts: dict) -> dict:
+    """The device as TE sees it (capability, CUDA, cuBLASLt, cuDNN, SMs, L2, memory; the pins' TE distributions
+    as this interpreter has them) and its check against the rehearsed profile, added to ``facts``."""
+    facts["device"] = device.read(kit.te_distributions())
+    facts["device_check"] = device.check(facts["device"])
     return facts
 
 
@@ -158,7 +171,8 @@ def probe(out: Path) -> int:
     STATE.mkdir(parents=True, exist_ok=True)
     (STATE / "machine.json").write_text(json.dumps(facts))
     print(json.dumps(facts, indent=1))
-    return 0
+    print(f"gpu_kit: {device.describe(facts['device_check'])}")
+    return 1 if facts["device_check"]["verdict"] == "fail" else 0  # the next commands still run: results first
 
 
 # -- install (GPU machine and CPU dry run) -------------------------------------------------------------------
@@ -295,7 +309,7 @@ def summary(run: Run) -> None:
                  f"torch {versions.get('torch')} (CUDA {versions.get('torch_cuda')}); accelerate "
                  f"{versions.get('accelerate')}; transformers {versions.get('transformers')}; TE "
                  f"{stages.get('import', {}).get('te_version')}")
-    lines.append("")
+    lines += ["", _device_lines(machine.get("device", {}), stages), ""]
     for name, fields in stages.items():
         brief = {k: v for k, v in fields.items() if k not in ("rows", "stderr_tail", "error_tail", "log")}
         lines.append(f"- **{name}**: `{json.dumps(brief, default=str)[:1500]}`")
@@ -306,10 +320,35 @@ def summary(run: Run) -> None:
     print("\n".join(lines))
 
 
+def _device_lines(facts: dict, stages: dict) -> str:
+    """The device's facts and its check against the rehearsed profile, for summary.md."""
+    def shown(field: str, unit: str = "") -> str:
+        value = facts.get(field)
+        if device.is_unknown(value):
+            return f"unknown ({value['unknown']})"
+        if field == "capability" and isinstance(value, list):
+            return ".".join(map(str, value))
+        if unit and isinstance(value, int):
+            return f"{value / 2**(20 if unit == 'MiB' else 30):.1f} {unit}"
+        return str(value)
+
+    te = stages.get("import", {}).get("te_distributions") or facts.get("te_distributions")
+    check = stages.get("device", {})
+    verdict = device.describe(check) if check.get("verdict") else "device not checked"
+    return (f"Device: capability {shown('capability')}, CUDA {shown('cuda')}, cuBLASLt {shown('cublaslt')} "
+            f"({facts.get('cublaslt_read', '?')}), cuDNN {shown('cudnn')}, {shown('sm_count')} SMs, "
+            f"L2 {shown('l2_cache', 'MiB')}, memory {shown('total_memory', 'GiB')}; TE distributions {te}"
+            f"\n\n**{verdict}**")
+
+
 def run_main(args) -> int:
     run = Run(Path(args.out), args.budget)
     machine_file = STATE / "machine.json"
     run.results["machine"] = json.loads(machine_file.read_text()) if machine_file.is_file() else machine_facts()
+    if "device_check" not in run.results["machine"]:  # a machine.json of an older kit
+        read_device(run.results["machine"])
+    run.stage("device", **run.results["machine"]["device_check"])
+    run.log(device.describe(run.results["machine"]["device_check"]))
     if args.installed:  # any CUDA machine with TE installed by pip: no kit, the same checks
         return checks(run, kit.import_probe(site=Path("/nonexistent")))
     pip_log: list[str] = []
@@ -337,6 +376,7 @@ def run_main(args) -> int:
 def checks(run: Run, imported: dict) -> int:
     run.stage("import", **imported)
     run.log(f"import transformer_engine.pytorch: {imported.get('import')}; FP8: {imported.get('is_fp8_available')}")
+    recheck_device(run, imported)
     if imported.get("import") != "ok":
         summary(run)
         return 1
@@ -346,7 +386,17 @@ def checks(run: Run, imported: dict) -> int:
     benchmark_moe(run)
     run.log(f"done, {run.left():.0f} s of the budget left")
     summary(run)
-    return 0
+    return 1 if run.results["stages"].get("device", {}).get("verdict") == "fail" else 0
+
+
+def recheck_device(run: Run, imported: dict) -> None:
+    """The device check again with TE's own cuBLASLt reading (the import probe's), where TE gave one."""
+    machine = run.results.get("machine", {})
+    facts = device.with_te_answers(machine.get("device", {}), imported)
+    if facts is not machine.get("device"):
+        machine["device"] = facts
+        run.stage("device", **device.check(facts))
+        run.log(f"with TE's cuBLASLt reading: {device.describe(run.results['stages']['device'])}")
 
 
 def main(argv: list[str]) -> int:

@@ -57,6 +57,12 @@ def pins_digest(*sections: str, path: Path = PINS_FILE) -> str:
     return hashlib.sha256(json.dumps([KIT_FORMAT, chosen], sort_keys=True).encode()).hexdigest()
 
 
+def te_distributions(pins: dict | None = None) -> list[str]:
+    """The distributions the pins install, by each TE file's name up to its version (``transformer_engine_cu13``)."""
+    te = (pins or load_pins())["transformer_engine"]
+    return [te[key].split("-", 1)[0] for key in ("python_wheel", "core_wheel", "torch_sdist")]
+
+
 def load_manifest(path: Path = MANIFEST) -> dict:
     if not path.is_file():
         raise KitError(f"no kit manifest at {path}: build the kit with `python -m gpu_kit build` (on a machine "
@@ -219,11 +225,17 @@ try:
     out["torch"] = torch.__version__
     out["torch_cuda"] = torch.version.cuda
     out["cuda_available"] = torch.cuda.is_available()
+    from importlib.metadata import PackageNotFoundError, version
+    out["te_distributions"] = {}
+    for name in sys.argv[1:]:  # the pins' TE distributions, as this site holds them
+        try:
+            out["te_distributions"][name] = version(name)
+        except PackageNotFoundError:
+            out["te_distributions"][name] = None
     import transformer_engine
     out["transformer_engine_file"] = transformer_engine.__file__
     import transformer_engine.pytorch as te  # loads TE's core library, then the torch extension
     out["extension_file"] = getattr(sys.modules.get("transformer_engine_torch"), "__file__", None)
-    from importlib.metadata import version
     out["te_version"] = version("transformer_engine")
     out["import"] = "ok"
     if out["cuda_available"]:
@@ -234,6 +246,12 @@ try:
                 out[name] = [bool(ok), str(why)]
         out["device"] = torch.cuda.get_device_name(0)
         out["capability"] = list(torch.cuda.get_device_capability(0))
+        tex = sys.modules.get("transformer_engine_torch")
+        for key, name in (("te_cublaslt", "get_cublasLt_version"), ("te_cudnn", "get_cudnn_version")):
+            try:  # what TE itself reads; a failure here is recorded, the import stays "ok"
+                out[key] = int(getattr(tex, name)())
+            except Exception as exc:
+                out[key] = f"unread: {type(exc).__name__}: {exc}"
 except BaseException as exc:
     out["import"] = f"{type(exc).__name__}: {exc}"
 print("GPU_KIT_IMPORT " + json.dumps(out))
@@ -242,10 +260,12 @@ print("GPU_KIT_IMPORT " + json.dumps(out))
 
 def import_probe(site: Path = SITE, python: str = sys.executable, extra_env: dict | None = None,
                  timeout: float = 300) -> dict:
-    """Import transformer_engine.pytorch in a fresh process over the kit's site; FP8 support where CUDA is."""
+    """Import transformer_engine.pytorch in a fresh process over the kit's site; the pins' TE distributions as
+    that site holds them; FP8 support and TE's own cuBLASLt / cuDNN readings where CUDA is."""
     env = site_env(site)
     env.update(extra_env or {})
-    done = subprocess.run([python, "-c", IMPORT_PROBE], capture_output=True, text=True, env=env, timeout=timeout)
+    done = subprocess.run([python, "-c", IMPORT_PROBE, *te_distributions()], capture_output=True, text=True, env=env,
+                          timeout=timeout)
     for line in done.stdout.splitlines():
         if line.startswith("GPU_KIT_IMPORT "):
             result = json.loads(line[len("GPU_KIT_IMPORT "):])

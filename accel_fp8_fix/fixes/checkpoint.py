@@ -5,6 +5,7 @@ parameters through sharded checkpoints (A16, ``packed_checkpoint``)."""
 from __future__ import annotations
 
 from ..internals.accelerate_internals import prepared_models
+from ..internals.transformer_engine import keep_fp8_checkpoint
 from . import packed_checkpoint, tp_checkpoint
 from .fp8_state import broadcast_fp8_state, reduce_pending_amax
 
@@ -24,7 +25,7 @@ def _reduce_pending(accelerator, models) -> None:
 
 
 def _checkpoint_fp8_state(module, prefix=None, keep_vars=None) -> None:
-    module.fp8_meta["fp8_checkpoint"] = True
+    keep_fp8_checkpoint(module)
 
 
 def keep_fp8_state_in_checkpoints(module) -> None:

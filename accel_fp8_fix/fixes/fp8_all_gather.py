@@ -38,7 +38,7 @@ import torch
 from .._log import say
 from ..internals import torch_fsdp2
 from ..internals import transformer_engine as te_internals
-from .fp8_all_gather_policy import Fp8AllGatherError, check_request, refusal, requested  # noqa: F401 (re-exported)
+from .fp8_all_gather_policy import Fp8AllGatherError, refusal, requested  # noqa: F401 (re-exported)
 from .fp8_weight_record import FLT_MAX, WeightRecord, WeightScales, scale_params, scales_from_amaxes  # noqa: F401
 from .fp8_weight_record import ScaleParams as _ScaleParams  # noqa: F401 (the name the unit tests use)
 
@@ -64,7 +64,7 @@ class _PerTensorGather:
         scales, i = self.scales, self.index
         scales.record.check_current(self.record_index)
         if local.numel():
-            bits = te_internals.quantized_bits(scales.quantizers[i](local.detach()))
+            bits = te_internals.quantized_bits(scales.weight_quantizers[i](local.detach()))
             if bits.shape != self.padded_size:  # the last rank's short shard: zero rows (dropped after the gather)
                 padded = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
                 padded[: bits.shape[0]].copy_(bits)
@@ -86,7 +86,7 @@ class _PerTensorGather:
         # ``scale_inv`` is allocated here, once, as a normal tensor even under inference_mode (an evaluation first);
         # later gathers copy into it (``refill_float8``).
         fp8_dtype = self.scales.params.fp8_dtype
-        quantizer = self.scales.quantizers[self.index]
+        quantizer = self.scales.weight_quantizers[self.index]
         with torch.inference_mode(False):
             own_scale_inv = scale_inv.clone()
         return te_internals.make_float8(data, own_scale_inv, fp8_dtype, param_dtype, quantizer), (gathered,)
@@ -227,13 +227,11 @@ def _problems(chosen, kind: str) -> list:
 
 def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
     """Install the FP8 all-gather on the weight of every converted TE Linear of ``model`` (FSDP2-sharded); every
-    weight is checked first, so a refusal leaves no weight half-switched."""
-    from .fp8_all_gather_policy import block_recipe_refusal
-
+    weight is checked first, so a refusal leaves no weight half-switched. The recipe itself (its kind, its weight
+    tiles) was checked once, before sharding, by the prepare's plan (fixes/fp8_plan.py)."""
     kind = "block" if type(recipe).__name__ == "Float8BlockScaling" else "per_tensor"
     chosen = _chosen_weights(model, te_modules)
-    why = block_recipe_refusal(recipe) if kind == "block" else None
-    problems = [why] if why else _problems(chosen, kind)
+    problems = _problems(chosen, kind)
     if problems:
         raise Fp8AllGatherError("accel_fp8_fix: the FP8 all-gather cannot run on " + "; ".join(problems) + (
             ". Shard over fewer ranks, or remove the setting (ACCELERATE_FP8_ALL_GATHER / fp8_config all_gather)"

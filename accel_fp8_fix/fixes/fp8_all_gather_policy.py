@@ -32,7 +32,7 @@ class Fp8AllGatherError(ValueError):
 def requested(handler=None) -> tuple[bool, str]:
     """(on?, the setting that said so): ``te_recipe_kwargs(all_gather=...)`` first, then the environment."""
     from .. import settings
-    from .recipes import all_gather_choice
+    from .handler_choices import all_gather_choice
 
     value = all_gather_choice(handler)
     if value is not None:
@@ -65,38 +65,7 @@ def refusal(recipe=None, *, is_fsdp2: bool, cpu_offload: bool = False, versions=
     return None
 
 
-def _recipe_class_name(handler) -> str:
-    """The TE recipe class the handler asks for, by name (no TE import, no support check: refused by name first)."""
-    from .recipes import RECIPES, check_handler
-
-    choice, _setting = check_handler(handler)
-    return RECIPES[choice][0] if isinstance(choice, str) else type(choice).__name__
-
-
-def _offloaded(plugin) -> bool:
+def offloaded(plugin) -> bool:
+    """Whether the FSDP2 plugin offloads parameters to the CPU (the FP8 all-gather cannot run there)."""
     offload = getattr(plugin, "cpu_offload", None)
     return type(offload).__name__ == "CPUOffloadPolicy" or bool(getattr(offload, "offload_params", False))
-
-
-def check_request(accelerator) -> bool:
-    """At prepare, before anything is sharded or converted: True when the FP8 all-gather is asked for and can run;
-    raises ``Fp8AllGatherError`` naming the setting and the reason when it is asked for and cannot."""
-    from ..engine.versions import installed_version
-    from ..internals.accelerate_internals import recipe_handler
-
-    handler = recipe_handler(accelerator)
-    on, setting = requested(handler)
-    if not on:
-        return False
-    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
-    versions = {name: installed_version(name) for name in ("transformer-engine", "torch")}
-    why = refusal(_recipe_class_name(handler), is_fsdp2=bool(accelerator.is_fsdp2), versions=versions,
-                  cpu_offload=_offloaded(plugin))
-    if why is None and _recipe_class_name(handler) == "Float8BlockScaling":
-        from .recipes import build
-
-        why = block_recipe_refusal(build(handler)[0])
-    if why is not None:
-        raise Fp8AllGatherError(f"accel_fp8_fix: {setting}=fp8 (FP8 all-gather) cannot run: {why}. Remove the "
-                                "setting (or set it to high_precision); nothing was changed")
-    return True

@@ -20,15 +20,6 @@ def te_autocast(te):
     return autocast_factory(te)
 
 
-def build_recipe(handler):
-    """(recipe, use_autocast_during_eval) from accelerate's TE recipe kwargs: what ``apply_fp8_autowrap`` builds
-    (DelayedScaling, or MXFP8 with ``use_mxfp8_block_scaling``; its source hash is watched in patches/*.toml),
-    plus every other TE recipe by name (fixes/recipes.py), each checked against the installed TE and GPU."""
-    from .recipes import build
-
-    return build(handler)
-
-
 def warn_eval_mode_training(model) -> None:
     """A forward with gradients on while the model is in eval mode runs without FP8 (TE autocast follows
     ``model.training`` unless ``use_autocast_during_eval``): ``from_pretrained`` returns models in eval mode, so a

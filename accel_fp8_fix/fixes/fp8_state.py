@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..distributed.collectives import all_reduce, broadcast
+from ..internals.transformer_engine import rebuild_quantizers
 
 SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
               "_state_dict_hooks", "_load_state_dict_pre_hooks", "_non_persistent_buffers_set"}
@@ -114,18 +115,7 @@ class _StateLink:
                 module._buffers[name] = own
                 entry[3] = own
         if changed:
-            _rebuild_quantizers(module)
-
-
-def _rebuild_quantizers(module: nn.Module) -> None:
-    """TE 2.x quantizers hold views of the recipe-state tensors; rebuild them after the tensors moved."""
-    quantizers = getattr(module, "quantizers", None)
-    if not isinstance(quantizers, dict):
-        return
-    for key in ("scaling_fwd", "scaling_bwd"):
-        state = module.fp8_meta.get(key)
-        if state is not None and hasattr(state, "make_quantizers"):
-            quantizers[key] = state.make_quantizers()
+            rebuild_quantizers(module)
 
 
 def register_tensor_state(model: nn.Module, modules=None, attrs=None) -> list[RegisteredState]:

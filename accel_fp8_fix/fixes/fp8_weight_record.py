@@ -144,7 +144,7 @@ class WeightScales:
         self.record, self.group, self.params = record, group, params
         self.indices: list[int] = []  # this object's weights, in record order
         self.scale = self.scale_inv = None  # fp32 [len(indices)], allocated at the first refresh
-        self.quantizers: list = []  # per weight: TE's Float8Quantizer on a view of ``scale``
+        self.weight_quantizers: list = []  # per weight: TE's Float8Quantizer on a view of ``scale``
         self.scale_inv_views: list = []  # per weight: the metadata each gather passes (a view of ``scale_inv``)
         self.reductions = 0  # packed amax all-reduces so far
 
@@ -160,7 +160,7 @@ class WeightScales:
         with torch.inference_mode(False):
             self.scale = torch.ones(n, dtype=torch.float32, device=device)
             self.scale_inv = torch.ones(n, dtype=torch.float32, device=device)
-            self.quantizers = [te_internals.float8_quantizer(self.scale[j:j + 1], self.params.fp8_dtype)
+            self.weight_quantizers = [te_internals.float8_quantizer(self.scale[j:j + 1], self.params.fp8_dtype)
                                for j in range(n)]
             self.scale_inv_views = [self.scale_inv[j:j + 1] for j in range(n)]
 

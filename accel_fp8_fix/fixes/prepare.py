@@ -19,12 +19,12 @@ from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
 from ..distributed.dtensor import is_dtensor
 from ..engine.engine import calling_patch_set
-from ..internals.accelerate_internals import recipe_handler
-from ..internals.transformer_engine import gemms_per_forward
+from ..internals.transformer_engine import FP8_STATE_ATTRS, gemms_per_forward, init_fp8_metadata
 from .activation_checkpointing import route_checkpointing_through_te
 from .checkpoint import keep_fp8_state_in_checkpoints
 from . import fp8_all_gather
-from .fp8_autocast import build_recipe, te_autocast, wrap_forward
+from .fp8_autocast import te_autocast, wrap_forward
+from .fp8_plan import Fp8Plan, plan_fp8
 from .fp8_state import broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
@@ -103,8 +103,9 @@ def prepare(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     args, pending = with_pending_model(instance, args)  # a model Trainer prepared alone (A22)
     model = _the_model(args)
-    # FP8 all-gather asked for where it cannot run: refused by name before anything is sharded or converted
-    fp8_all_gather.check_request(instance)
+    # the recipe and the FP8 all-gather decided once (fixes/fp8_plan.py); an FP8 all-gather asked for where it
+    # cannot run is refused there, by name, before anything is sharded or converted
+    plan = plan_fp8(instance)
     if model is not None:
         check_mesh_matches(instance, model)  # a model transformers sharded at load (A18) must match the config
         record_tp_layout(model)
@@ -115,7 +116,7 @@ def prepare(wrapped, instance, args, kwargs):
         setattr(instance, DEFER_FLAG, False)
     prepared = _the_model(result if isinstance(result, (tuple, list)) else (result,))
     if prepared is not None:
-        instance.accel_fp8_fix = finish_fp8_prepare(instance, prepared)
+        instance.accel_fp8_fix = finish_fp8_prepare(instance, prepared, plan)
         instance.accel_fp8_fix.model = prepared
     return result if pending is None else drop_pending_model(result, pending)
 
@@ -158,10 +159,10 @@ def amax_group_for(mesh):
     return group, tuple(dist.get_process_group_ranks(group))
 
 
-def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
+def finish_fp8_prepare(accelerator, model, plan: Fp8Plan) -> Fp8Setup:
     import transformer_engine.pytorch as te
 
-    recipe, use_during_eval = build_recipe(recipe_handler(accelerator))
+    recipe, use_during_eval = plan.built
     conversion = convert_after_sharding(model, te, dim_multiple=weight_multiple(recipe))
     mesh = mesh_of(accelerator, model)
     group, ranks = amax_group_for(mesh)
@@ -177,10 +178,10 @@ def finish_fp8_prepare(accelerator, model) -> Fp8Setup:
     # FP8 state now, on the module's device (as the first FP8 forward would create it), then registered.
     with torch.no_grad(), te_autocast(te)(True, recipe, group):
         for module in conversion.te_modules:
-            module.init_fp8_metadata(num_gemms=gemms_per_forward(module))
-    if fp8_all_gather.check_request(accelerator):
+            init_fp8_metadata(module, gemms_per_forward(module))
+    if plan.all_gather:
         setup.all_gather = fp8_all_gather.install(model, conversion.te_modules, recipe, group)
-    setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=("fp8_meta",))
+    setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=FP8_STATE_ATTRS)
     for module in conversion.te_modules:
         install_safe_loading(module)
         keep_fp8_state_in_checkpoints(module)  # also after an eval pass, where TE would save none (A19)

@@ -16,7 +16,7 @@ run raises a ``ValueError`` naming the recipe, the TE version, the device and TE
 
 The recipe name and the settings it takes are checked earlier, by one function (``check_settings``, no torch or
 TE import) wherever they are first seen: ``accel-fp8-fix doctor --launch`` (on the variables ``accelerate
-launch`` would export, ``settings_from_env``), ``Accelerator()`` (``accelerator_init``, patch ``settings``) and
+launch`` would export, ``settings_from_env``), ``Accelerator()`` (fixes/accelerator_init.py, patch ``settings``) and
 ``te_recipe_kwargs`` (fixes/recipe_kwargs.py, which also refuses, with ``TypeError``, a field neither
 ``TERecipeKwargs`` nor the TE recipe class has).
 """
@@ -26,11 +26,9 @@ from __future__ import annotations
 import sys
 
 from .. import settings
+from .handler_choices import choice_of
 
 ENV = settings.RECIPE
-# te_recipe_kwargs() choices by handler (accelerate's to_kwargs() reads every instance attribute, so the
-# choice cannot live on the handler itself): id -> (handler, recipe name or object, extra recipe options)
-_CHOICES: dict = {}
 
 # name: (TE recipe class, TE support check, TERecipeKwargs fields the class takes); the names, their classes and
 # their other spellings are the settings registry's (settings.RECIPE_CLASSES / RECIPE_ALIASES)
@@ -187,55 +185,6 @@ def check_handler(handler) -> tuple[object, str]:
     return check_settings(choice, setting, kwargs, mxfp8_flag)
 
 
-def accelerator_init(wrapped, instance, args, kwargs):
-    """``Accelerator.__init__``: every setting this package reads is checked before accelerate starts (a bad value
-    raises ValueError naming it), and, once accelerate has resolved its FP8 configuration, the TE recipe and its
-    settings (an unknown recipe, a setting the recipe does not take) — before any model is prepared; the script
-    fails at ``Accelerator()``, not after loading and sharding."""
-    problems = settings.check(owners=("package",))
-    if problems:
-        raise ValueError("; ".join(str(exc) for _setting, exc in problems))
-    from .layout import check_accelerator_kwargs
-
-    check_accelerator_kwargs(kwargs)  # a layout accelerate refuses: named, with the one to use instead
-    result = wrapped(*args, **kwargs)
-    if getattr(instance, "fp8_enabled", False):
-        from ..internals.accelerate_internals import recipe_handler
-
-        handler = recipe_handler(instance)
-        if handler is not None and str(getattr(handler, "backend", "TE")).upper() == "TE":
-            check_handler(handler)
-    return result
-
-
-_ALL_GATHER: dict = {}  # id(handler) -> (handler, "fp8" / "high_precision"): te_recipe_kwargs(all_gather=...)
-
-
-def all_gather_choice(handler):
-    """What ``te_recipe_kwargs(all_gather=...)`` asked for on this handler (None: not asked there)."""
-    entry = _ALL_GATHER.get(id(handler)) if handler is not None else None
-    return entry[1] if entry is not None and entry[0] is handler else None
-
-
-def remember_choice(handler, recipe, extra: dict, all_gather=None) -> None:
-    """What ``te_recipe_kwargs`` (fixes/recipe_kwargs.py) asked for on ``handler``: the recipe (name or TE object),
-    the extra recipe options and the all-gather choice, read back by ``build``, ``check_handler`` and
-    ``all_gather_choice``."""
-    _CHOICES[id(handler)] = (handler, recipe, extra)
-    if all_gather is not None:
-        _ALL_GATHER[id(handler)] = (handler, all_gather)
-
-
-def forget_choice(handler) -> None:
-    """The recipe choice of a handler ``te_recipe_kwargs`` refused, dropped."""
-    _CHOICES.pop(id(handler), None)
-
-
-def _choice_of(handler) -> tuple:
-    entry = _CHOICES.get(id(handler)) if handler is not None else None
-    return entry[1:] if entry is not None and entry[0] is handler else (None, {})
-
-
 def _te_version() -> str:
     from ..engine.versions import installed_version
 
@@ -263,22 +212,24 @@ def _support_check(check_name: str):
 
 def _chosen(handler) -> tuple[object, str]:
     """(name or recipe object, the setting it came from)."""
-    from_handler = _choice_of(handler)[0]
+    from_handler = choice_of(handler).recipe
     if from_handler is not None:
         return from_handler, "te_recipe_kwargs(recipe)"
     choice = settings.get(ENV)  # ValueError naming the variable, the value and the recipes for an unknown name
     return (choice, f"fp8_config `recipe` / {ENV}") if choice is not None else (None, "")
 
 
-def build(handler):
-    """(TE recipe, use_autocast_during_eval) for accelerate's ``TERecipeKwargs`` (or None), validated."""
+def build(handler, checked=None):
+    """(TE recipe, use_autocast_during_eval) for accelerate's ``TERecipeKwargs`` (or None), validated. ``checked``:
+    what ``check_handler(handler)`` already returned (fixes/fp8_plan.py passes it: the choice is not resolved
+    twice)."""
     import transformer_engine.common.recipe as te_recipe
 
     kwargs = handler.to_kwargs() if handler is not None else {}
     kwargs.pop("backend", None)
     use_during_eval = kwargs.pop("use_autocast_during_eval", False)
     mxfp8_flag = kwargs.pop("use_mxfp8_block_scaling", False)
-    choice, setting = check_settings(*_chosen(handler), kwargs, mxfp8_flag)
+    choice, setting = checked if checked is not None else check_settings(*_chosen(handler), kwargs, mxfp8_flag)
     if not isinstance(choice, str):  # a TE recipe object
         _check_support(type(choice).__name__, _check_for(choice), setting)
         return choice, use_during_eval
@@ -289,7 +240,7 @@ def build(handler):
                          f"Engine {_te_version()} does not have: upgrade Transformer Engine or choose another recipe")
     if "fp8_format" in kwargs:
         kwargs["fp8_format"] = getattr(te_recipe.Format, kwargs["fp8_format"])
-    kwargs.update(_choice_of(handler)[1])
+    kwargs.update(choice_of(handler).extra)
     _check_support(class_name, check_name, setting)
     try:
         recipe = cls(**kwargs)

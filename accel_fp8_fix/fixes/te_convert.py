@@ -20,6 +20,7 @@ from torch import nn
 
 from .._log import say
 from ..internals import torch_fsdp2, transformers_tp
+from ..internals.transformer_engine import has_fp8_state
 from .fp8_shapes import FP8_LAST_MULTIPLE, install_token_check, local_dims, local_dims_fit
 from .local_shards import install_local_shards
 from .moe_experts import convert_experts
@@ -208,5 +209,5 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
         detail = "; ".join(f"{n}: {why}" for n, why in report.skipped)
         say(logger, logging.WARNING,
             f"accel_fp8_fix: kept {len(report.skipped)} module(s) in high precision, not Transformer Engine: {detail}")
-    report.te_modules = [m for m in model.modules() if hasattr(m, "fp8_meta") and hasattr(m, "init_fp8_metadata")]
+    report.te_modules = [m for m in model.modules() if has_fp8_state(m)]
     return report

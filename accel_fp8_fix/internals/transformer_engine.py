@@ -58,6 +58,38 @@ _GUARD_SOURCES = (
 )
 
 
+# -- TE's FP8 state layout on a module (fixes/ reach it only through these; tests/unit/test_layout.py) ----------
+
+FP8_STATE_ATTRS = ("fp8_meta",)  # the attributes of a TE module that hold its FP8 state tensors
+
+
+def has_fp8_state(module) -> bool:
+    """A TE module with FP8 state (``fp8_meta``) that ``init_fp8_metadata`` creates."""
+    return hasattr(module, "fp8_meta") and hasattr(module, "init_fp8_metadata")
+
+
+def init_fp8_metadata(module, num_gemms: int) -> None:
+    """Create ``module``'s FP8 state now (as its first FP8 forward would), under the caller's TE autocast."""
+    module.init_fp8_metadata(num_gemms=num_gemms)
+
+
+def keep_fp8_checkpoint(module) -> None:
+    """Set TE's ``fp8_meta["fp8_checkpoint"]`` (reset by every forward): ``get_extra_state`` then saves the FP8
+    state even when the last forward ran without FP8."""
+    module.fp8_meta["fp8_checkpoint"] = True
+
+
+def rebuild_quantizers(module) -> None:
+    """TE 2.x quantizers hold views of the recipe-state tensors; rebuild them after the tensors moved."""
+    quantizers = getattr(module, "quantizers", None)
+    if not isinstance(quantizers, dict):
+        return
+    for key in ("scaling_fwd", "scaling_bwd"):
+        state = module.fp8_meta.get(key)
+        if state is not None and hasattr(state, "make_quantizers"):
+            quantizers[key] = state.make_quantizers()
+
+
 def gemms_per_forward(module) -> int:
     """TE's ``num_gemms`` for ``init_fp8_metadata`` of ``module``: a GroupedLinear's own count, else per class."""
     if type(module).__name__ == "GroupedLinear":

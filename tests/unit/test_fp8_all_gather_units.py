@@ -87,7 +87,7 @@ def test_block_scaling_is_served_with_128x128_weight_tiles_only():
 
 def test_te_recipe_kwargs_refuses_an_unserved_recipe_and_records_the_switch():
     from accel_fp8_fix.fixes.recipe_kwargs import te_recipe_kwargs
-    from accel_fp8_fix.fixes.recipes import all_gather_choice
+    from accel_fp8_fix.fixes.handler_choices import all_gather_choice
 
     with pytest.raises(policy.Fp8AllGatherError, match="MXFP8BlockScaling"):
         te_recipe_kwargs(recipe="mxfp8", all_gather="fp8")
@@ -216,7 +216,7 @@ def test_the_scales_are_one_packed_reduction_into_buffers_allocated_once():
     assert scales.refresh() and scales.reductions == 2
     assert float(scales.scale[1]) == float(want[1]) / 2 and (scales.scale.data_ptr(), scales.scale_inv.data_ptr()) == buffers
     assert [v.data_ptr() for v in scales.scale_inv_views] == views  # what each gather passes: the same storage
-    assert all(q.scale.data_ptr() == scales.scale[j:j + 1].data_ptr() for j, q in enumerate(scales.quantizers))
+    assert all(q.scale.data_ptr() == scales.scale[j:j + 1].data_ptr() for j, q in enumerate(scales.weight_quantizers))
 
 
 def test_fsdp2_is_told_to_keep_the_all_gather_outputs():

@@ -300,3 +300,46 @@ def test_one_install_instruction_for_the_rehearsal():
         assert settings.REHEARSAL_INSTALL in text, doc
         assert "pip install accel-fp8-fix-rehearsal" not in text and "accel_fp8_fix[rehearsal]" not in text, doc
     assert "settings.REHEARSAL_INSTALL" in (PACKAGE / "_bootstrap.py").read_text()
+
+
+# Transformer Engine's FP8 state layout and its tensors' private fields: reached only through internals/
+# (transformer_engine.py's accessors). The rehearsal is TE's stand-in and may use them; testing/ does not need to.
+# get_extra_state / set_extra_state / _extra_state are torch's nn.Module protocol, not TE's: not on the list.
+TE_INTERNAL_ATTRS = frozenset({
+    "fp8_meta", "init_fp8_metadata", "fp8_meta_tensors_initialized", "fp8_checkpoint", "quantizers",
+    "make_quantizers", "scaling_fwd", "scaling_bwd", "amax_history", "_rowwise_data", "_columnwise_data",
+    "_scale_inv", "_rowwise_scale_inv", "_columnwise_scale_inv", "_fp8_dtype", "_quantizer",
+})
+INSIDE_THE_TE_FENCE = ("internals", "rehearsal")
+
+
+def _te_attribute_uses(tree: ast.Module, path) -> list[str]:
+    """``file:line name`` of every deny-listed TE attribute: ``x.name`` and ``getattr`` / ``hasattr`` /
+    ``setattr`` / ``delattr`` with the name as a string constant."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in TE_INTERNAL_ATTRS:
+            out.append(f"{path}:{node.lineno} .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in TE_INTERNAL_ATTRS):
+            out.append(f"{path}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
+    return out
+
+
+def test_transformer_engine_attributes_only_in_internals():
+    wrong = []
+    for path, tree in _modules():
+        relative = path.relative_to(PACKAGE.parent)
+        if relative.parts[1] not in INSIDE_THE_TE_FENCE:
+            wrong += _te_attribute_uses(tree, relative)
+    assert not wrong, ("reach TE's FP8 state through accel_fp8_fix/internals/transformer_engine.py:\n"
+                       + "\n".join(wrong))
+
+
+def test_the_te_fence_sees_attributes_and_getattr():
+    source = ("def f(m, t):\n    m.fp8_meta['fp8_checkpoint'] = True\n    hasattr(m, 'init_fp8_metadata')\n"
+              "    getattr(t, '_rowwise_data', None)\n    m.weight_quantizers\n    getattr(m, name)\n")
+    found = _te_attribute_uses(ast.parse(source), Path("x.py"))
+    assert sorted(found) == ["x.py:2 .fp8_meta", "x.py:3 hasattr(..., 'init_fp8_metadata')",
+                             "x.py:4 getattr(..., '_rowwise_data')"], found

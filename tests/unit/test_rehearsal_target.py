@@ -186,3 +186,12 @@ def test_tes_device_properties_are_the_target_profiles(monkeypatch):
         assert (props.multi_processor_count, props.total_memory, props.L2_cache_size) == (p.sm_count, p.total_memory,
                                                                                             p.l2_cache)
         assert p.gpu in props.name
+
+
+def test_profiles_l2_is_what_the_boards_report():
+    """L2 as torch's ``get_device_properties`` prints it on real boards (target.py names the printouts): an H200
+    enables all of GH100's 60 MiB, the H100 SXM 50 MiB."""
+    from accel_fp8_fix.rehearsal.te_on_cpu import target
+
+    mib = {name: p.l2_cache / 2**20 for name, p in target.PROFILES.items()}
+    assert (mib["h200-cu130"], mib["h100-cu128"], mib["b200-cu130"]) == (60, 50, 126)

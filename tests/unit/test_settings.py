@@ -17,7 +17,7 @@ import yaml
 
 from accel_fp8_fix import cli, settings
 from accel_fp8_fix.diagnostics.launch_check import check_launch_config
-from accel_fp8_fix.fixes import recipe_kwargs, recipes
+from accel_fp8_fix.fixes import handler_choices, recipe_kwargs, recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "accel_fp8_fix"
@@ -273,7 +273,8 @@ def test_te_recipe_kwargs_refuses_unknown_fields_and_settings_the_recipe_does_no
     with pytest.raises(TypeError, match="unknown field 'fp4_format'"):
         recipe_kwargs.te_recipe_kwargs(te_recipe.Float8CurrentScaling(), fp4_format="E2M1")
     handler = recipe_kwargs.te_recipe_kwargs(recipe="current", fp8_format="E4M3", use_power_2_scales=True)  # TE's own
-    assert recipes._choice_of(handler) == ("current", {"use_power_2_scales": True})
+    choice = handler_choices.choice_of(handler)
+    assert (choice.recipe, choice.extra) == ("current", {"use_power_2_scales": True})
 
 
 ACCELERATOR_SCRIPT = """

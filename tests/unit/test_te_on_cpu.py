@@ -242,6 +242,72 @@ def _with_te(rank, world_size):
     from transformer_engine.pytorch.utils import get_device_compute_capability
 
     out["te_capability"] = list(get_device_compute_capability())
+    out["refusals"] = _gemm_refusals_on_hopper()
+    return out
+
+
+def _refusal(call):
+    """The message of the RuntimeError ``call()`` raises, or None when it returns (a silent answer)."""
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _gemm_refusals_on_hopper() -> dict:
+    """TE's refusals of issue 28 item 2 on the sm90 target, through tex with TE's own quantized tensors:
+    mixed scaling modes (cublaslt_gemm.cu:107-111) and cuBLASLt's FP8 leading-dimension rule (:159-163)."""
+    import torch
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+    from accel_fp8_fix.rehearsal.te_on_cpu import tex
+
+    e4m3, f32 = tex.DType.kFloat8E4M3, tex.DType.kFloat32
+    torch.manual_seed(3)
+
+    def delayed(x):
+        return tex.quantize(x, Float8Quantizer(torch.ones(1), torch.zeros(1), e4m3))
+
+    def current(x):
+        return tex.quantize(x, Float8CurrentScalingQuantizer(e4m3, torch.device("cpu")))
+
+    def gemm(a, transa, b, transb):
+        return tex.generic_gemm(a, transa, b, transb, None, None, f32, None, f32, False, None, False, None, 0,
+                                False, False)
+
+    w, x = torch.randn(64, 32), torch.randn(48, 32)
+    mx = tex.quantize(w, MXFP8Quantizer(e4m3))
+    block1d = tex.quantize(w, Float8BlockQuantizer(e4m3, rowwise=True, columnwise=True, block_scaling_dim=1))
+    block2d = tex.quantize(x[:32], Float8BlockQuantizer(e4m3, rowwise=True, columnwise=True, block_scaling_dim=2))
+    out = {
+        "delayed_x_mxfp8": _refusal(lambda: gemm(mx, True, delayed(x), False)),
+        "block1d_x_current": _refusal(lambda: gemm(block1d, True, current(x), False)),
+        "bf16_x_mxfp8": _refusal(lambda: gemm(mx, True, x, False)),
+        "block1d_x_block2d": _refusal(lambda: gemm(block1d, True, block2d, False)),  # allowed by TE
+    }
+    # wgrad (NT): lda = k = the token count; 24 tokens pass TE's Python check (a multiple of 8), not cuBLASLt's
+    for tokens in (24, 32):
+        xt, dy = torch.randn(tokens, 32), torch.randn(tokens, 48)
+        for name, cast in (("delayed", delayed), ("current", current)):
+            out[f"wgrad_{name}_{tokens}"] = _refusal(lambda: gemm(cast(xt), False, cast(dy), True))
+    out["wgrad_bf16_24"] = _refusal(lambda: gemm(torch.randn(24, 32), False, torch.randn(24, 48), True))
+    out["fprop_k24"] = _refusal(lambda: gemm(delayed(torch.randn(64, 24)), True, delayed(torch.randn(16, 24)), False))
+    out["empty_wgrad"] = _refusal(lambda: gemm(delayed(torch.randn(0, 32)), False, delayed(torch.randn(0, 48)), True))
+    # an empty per-tensor FP8 tensor given column-wise usage afterwards: TE's Python calls tex.fp8_transpose
+    empty = {}
+    for name, quantizer in (("delayed", Float8Quantizer(torch.ones(1), torch.zeros(1), e4m3)),
+                            ("current", Float8CurrentScalingQuantizer(e4m3, torch.device("cpu")))):
+        quantizer.set_usage(rowwise=True, columnwise=False)
+        t = quantizer(torch.randn(5, 0))
+        try:
+            t.update_usage(rowwise_usage=True, columnwise_usage=True)
+            empty[name] = list(t._transpose.shape)
+        except RuntimeError as exc:
+            empty[name] = str(exc)
+    out["empty_columnwise"] = empty
     return out
 
 
@@ -272,6 +338,34 @@ def test_a_token_count_fp8_cannot_run_is_named_with_module_shape_and_remedy(with
     message = with_te["shape_True"]
     assert message.startswith("accel_fp8_fix: blocks.0.fc1 (Linear) got an input of shape [4, 32]")
     assert "pad_to_multiple_of=8" in message
+
+
+def test_mixed_scaling_modes_are_refused_with_tes_message(with_te):
+    """cublaslt_gemm.cu:107-111: A and B must share a scaling mode (FP8 block scaling 1-D with 2-D excepted);
+    an unquantized tensor has NVTE_DELAYED_TENSOR_SCALING (its NoneQuantizer's mode)."""
+    got = with_te["refusals"]
+    want = ("Inputs A and B to GEMM need to have compatible scaling modes, but got A.scaling_mode = {}, "
+            "B.scaling_mode = {}")
+    assert got["delayed_x_mxfp8"] == want.format("NVTE_MXFP8_1D_SCALING", "NVTE_DELAYED_TENSOR_SCALING")
+    assert got["block1d_x_current"] == want.format("NVTE_BLOCK_SCALING_1D", "NVTE_DELAYED_TENSOR_SCALING")
+    assert got["bf16_x_mxfp8"] == want.format("NVTE_MXFP8_1D_SCALING", "NVTE_DELAYED_TENSOR_SCALING")
+    assert got["block1d_x_block2d"] is None
+
+
+def test_fp8_leading_dimension_rule_on_hopper(with_te):
+    """cublaslt_gemm.cu:159-163: per-tensor FP8 A needs lda % 16 == 0; on sm90 lda = k (TN-only FP8), so a wgrad
+    over 24 tokens is refused (delayed and current scaling alike), 32 tokens run, bf16 is not concerned, and an
+    empty GEMM (never launched, gemm.cpp:303) is not checked."""
+    got = with_te["refusals"]
+    message = "Leading dimension requirement on A for FP8 GEMM. Caller must pad."
+    assert got["wgrad_delayed_24"] == message and got["wgrad_current_24"] == message
+    assert got["fprop_k24"] == message
+    assert got["wgrad_delayed_32"] is None and got["wgrad_current_32"] is None
+    assert got["wgrad_bf16_24"] is None and got["empty_wgrad"] is None
+
+
+def test_an_empty_per_tensor_fp8_tensor_gets_an_empty_transpose(with_te):
+    assert with_te["refusals"]["empty_columnwise"] == {"delayed": [0, 5], "current": [0, 5]}
 
 
 def test_cuda_as_cpu_answers_only_tes_frames(with_te):
@@ -326,3 +420,47 @@ def test_mxfp8_blocks_scale_by_their_own_amax_and_round_trip():
         assert float(decoded.abs().max()) <= 448.0
     padded = tex._padded_scales(tex.mxfp8_quantize_2d(x, E4M3, False)[1], False, 64, 64)
     assert padded.shape == (128, 4)  # MXFP8Quantizer::get_scale_shape: roundup(M, 128) x roundup(K/32, 4)
+
+
+# -- issue 28 item 2: an empty per-tensor FP8 transpose (transpose.cpp:43-46) ------------------------------------
+@pytest.mark.parametrize("shape", [[5, 0], [0, 7], [2, 0, 3]])
+def test_fp8_transpose_of_an_empty_tensor_is_empty(shape):
+    """transpose.cpp fp8_transpose: the output [last, *rest] is allocated, then returned untouched when M or N is 0."""
+    bits = torch.empty(shape, dtype=torch.uint8)
+    want = [shape[-1], *shape[:-1]]
+    assert list(tex.fp8_transpose(bits, E4M3).shape) == want
+    out = torch.empty(want, dtype=torch.uint8)
+    assert tex.fp8_transpose(bits, E4M3, out=out) is out
+    assert list(tex._untranspose(torch.empty(want, dtype=torch.uint8)).shape) == shape
+
+
+# -- issue 28 item 2: a strided plain operand, which TE's extension would misread --------------------------------
+def _gemm(a, transa, b, transb, d=None):
+    f32 = tex.DType.kFloat32
+    return tex.generic_gemm(a, transa, b, transb, d, None, f32, None, f32, False, None, False, None, 0, False, False)
+
+
+def test_a_strided_plain_operand_is_refused_naming_operand_and_strides():
+    """TE's extension wraps a plain tensor by its data_ptr and sizes only (pytorch/csrc/common.cpp:134-146, its
+    .contiguous() commented out), so cuBLAS would read a strided operand as row-major: another matrix. The
+    rehearsal refuses it with its own message rather than compute the right answer."""
+    torch.manual_seed(2)
+    w, x = torch.randn(32, 32)[:, ::2], torch.randn(8, 16)  # w: [32, 16], strides (32, 2)
+    with pytest.raises(RuntimeError, match=r"operand A: .*strides \(32, 2\).*CPU rehearsal") as refused:
+        _gemm(w, True, x, False)
+    assert "common.cpp" in str(refused.value) and "[32, 16]" in str(refused.value)
+    with pytest.raises(RuntimeError, match=r"operand B: .*strides \(1, 8\)"):
+        _gemm(w.contiguous(), True, torch.randn(16, 8).t(), False)
+    with pytest.raises(RuntimeError, match=r"output D: .*strides \(1, 8\)"):
+        _gemm(w.contiguous(), True, x, False, torch.empty(32, 8).t())
+    got = _gemm(w.contiguous(), True, x, False)[0]  # contiguous: computed
+    assert torch.allclose(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_gemm_inherits_the_strided_operand_refusal():
+    empty = [torch.empty(0)] * 2
+    w = [torch.randn(8, 16), torch.randn(16, 8).t()]
+    x = [torch.randn(4, 16), torch.randn(6, 16)]
+    with pytest.raises(RuntimeError, match=r"operand A: .*strides \(1, 8\)"):
+        tex.te_general_grouped_gemm(w, True, x, False, None, tex.DType.kFloat32, [4, 6], empty, tex.DType.kFloat32,
+                                    False, empty, False, empty, 0, False, False, 0)

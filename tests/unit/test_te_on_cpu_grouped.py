@@ -364,6 +364,72 @@ def _stats_of_one_step(recipe_name, splits) -> dict:
     return {k: v for k, v in te_on_cpu.stats().items() if "gemms" in k or k.startswith("split")}
 
 
+def _unpadded_grouped_linear(recipe_name, splits=(5, 11, 16)) -> dict:
+    """GroupedLinear(3, 128, 256) forward + backward on splits that are not multiples of 16, without Fp8Padding:
+    {"forward": message or None, "backward": message or None}."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as recipes
+
+    torch.manual_seed(17)
+    grouped = te.GroupedLinear(3, 128, 256, bias=True, params_dtype=torch.bfloat16)
+    x = torch.randn(sum(splits), 128, dtype=torch.bfloat16, requires_grad=True)
+    out = {"forward": None, "backward": None}
+    try:
+        with te.autocast(enabled=True, recipe=getattr(recipes, recipe_name)()):
+            y = grouped(x, list(splits))
+    except RuntimeError as exc:
+        out["forward"] = str(exc)
+        return out
+    try:
+        y.backward(torch.randn_like(y))
+    except RuntimeError as exc:
+        out["backward"] = str(exc)
+    return out
+
+
+def _refusal(call):
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _blackwell_refusals() -> dict:
+    """sm100: FP8 block scaling emulated with MXFP8 needs every operand block-scaled (gemm.cpp:592-594, grouped;
+    swizzle.cpp:307-308, single GEMM); the FP8 leading dimensions follow Blackwell's any-layout FP8 GEMM
+    (cublaslt_gemm.cu:135 and :226: lda = m for a non-transposed A, ldb = n for a transposed B)."""
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    from accel_fp8_fix.rehearsal.te_on_cpu import tex
+
+    e4m3, f32 = tex.DType.kFloat8E4M3, tex.DType.kFloat32
+    torch.manual_seed(19)
+
+    def block(x):
+        return tex.quantize(x, Float8BlockQuantizer(e4m3, rowwise=True, columnwise=True, block_scaling_dim=1))
+
+    def current(x):
+        return tex.quantize(x, Float8CurrentScalingQuantizer(e4m3, torch.device("cpu")))
+
+    def gemm(a, transa, b, transb):
+        return tex.generic_gemm(a, transa, b, transb, None, None, f32, None, f32, False, None, False, None, 0,
+                                False, False)
+
+    w, x = [torch.randn(64, 128) for _ in range(2)], [torch.randn(32, 128) for _ in range(2)]
+    empty = [torch.empty(0)] * 2
+    return {
+        "single_block_x_current": _refusal(lambda: gemm(block(w[0]), True, current(x[0]), False)),
+        "grouped_block_x_current": _refusal(lambda: tex.te_general_grouped_gemm(
+            [block(t) for t in w], True, [block(x[0]), current(x[1])], False, None, f32, [32, 32], empty, f32,
+            False, empty, False, empty, 0, False, False, 0)),
+        "lda_m24": _refusal(lambda: gemm(current(torch.randn(32, 24)), False, current(torch.randn(16, 32)), False)),
+        "ldb_n24": _refusal(lambda: gemm(current(torch.randn(32, 48)), False, current(torch.randn(32, 24)), True)),
+        "tn_k32": _refusal(lambda: gemm(current(torch.randn(24, 32)), True, current(torch.randn(40, 32)), False)),
+    }
+
+
 def _on_hopper(rank, world_size):
     from accel_fp8_fix.rehearsal import te_on_cpu
 
@@ -377,7 +443,8 @@ def _on_hopper(rank, world_size):
                      (("off", "off"), ("current", "current"), ("block2d", "block1d"), ("block1d", "block1d"))},
             "e2e": {name: _grouped_vs_linears(name, SPLITS) for name in recipes},
             "stats": {name: _stats_of_one_step(name, SPLITS) for name in recipes},
-            "padding": _padding_checks(), "not_implemented": _not_implemented_messages()}
+            "padding": _padding_checks(), "not_implemented": _not_implemented_messages(),
+            "unpadded": {name: _unpadded_grouped_linear(name) for name in ("DelayedScaling", "Float8CurrentScaling")}}
 
 
 def _on_blackwell(rank, world_size):
@@ -396,7 +463,8 @@ def _on_blackwell(rank, world_size):
     return {"split": _split_quantize_matches_reference("mxfp8", SPLITS_MX),
             "gemm": _grouped_gemm_checks("mxfp8", "mxfp8", SPLITS_MX),
             "e2e": {name: _grouped_vs_linears(name, SPLITS_MX) for name in ("MXFP8BlockScaling", "off")},
-            "stats": _stats_of_one_step("MXFP8BlockScaling", SPLITS_MX), "nvfp4_split": nvfp4}
+            "stats": _stats_of_one_step("MXFP8BlockScaling", SPLITS_MX), "nvfp4_split": nvfp4,
+            "refusals": _blackwell_refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -515,3 +583,21 @@ def test_ops_the_shim_does_not_implement_still_raise(hopper, blackwell):
     for name, message in hopper["not_implemented"].items():
         assert message and message.startswith(f"transformer_engine_torch.{name}: not implemented by the CPU rehearsal")
     assert blackwell["nvfp4_split"] and "split_quantize with NVFP4" in blackwell["nvfp4_split"]
+
+
+def test_unpadded_experts_trip_cublaslts_fp8_leading_dimension_rule_on_hopper(hopper):
+    """cublaslt_gemm.cu:159-163 per GEMM of the grouped GEMM (nvte_multi_tensor_gemm -> cublas_gemm): on sm90 the
+    wgrad's lda is the expert's token count, so m_splits [5, 11, 16] under per-tensor FP8 are refused in the
+    backward (the forward's lda and ldb are in_features); Fp8Padding (or the package's MoE path) pads them."""
+    for name, got in hopper["unpadded"].items():
+        assert got["forward"] is None, (name, got)
+        assert got["backward"] == "Leading dimension requirement on A for FP8 GEMM. Caller must pad.", (name, got)
+
+
+def test_blackwell_block_scaling_emulation_and_fp8_leading_dimensions(blackwell):
+    got = blackwell["refusals"]
+    assert got["single_block_x_current"] == "Input tensor must be a block scaling tensor"
+    assert got["grouped_block_x_current"] == "Either all tensors or no tensor must be FP8 block scaling tensors"
+    assert got["lda_m24"] == "Leading dimension requirement on A for FP8 GEMM. Caller must pad."
+    assert got["ldb_n24"] == "Leading dimension requirement on B for FP8 GEMM. Caller must pad."
+    assert got["tn_k32"] is None

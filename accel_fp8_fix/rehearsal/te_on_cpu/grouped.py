@@ -102,6 +102,7 @@ def te_general_grouped_gemm(A, transa, B, transb, D, D_type, m_splits, bias, bia
     if single_output and D is None:
         raise RuntimeError("not implemented, D should be allocated for single output case.")
     outputs = _output_views(A, transa, B, transb, D, D_type, single_output)
+    _check_block_scaling_emulation(A, B)
     _tex._STATS["grouped_gemms"] += 1
     for i, (a, b, out) in enumerate(zip(A, B, outputs)):
         with_gelu = pre_gelu_out[i].numel() != 0
@@ -123,6 +124,20 @@ def te_general_grouped_gemm(A, transa, B, transb, D, D_type, m_splits, bias, bia
         if not grad and with_gelu:
             pre_gelu_out[i].copy_(gelu_input.reshape(pre_gelu_out[i].shape))
     return bias  # as the C++: outputs it allocated itself (D = None) are not returned
+
+
+def _check_block_scaling_emulation(A, B) -> None:
+    """gemm.cpp:579-594: on sm100 and newer, FP8 block scaling is emulated with MXFP8 for the whole grouped GEMM, so
+    the operands of its non-empty groups are either all block-scaled or none is. (Each group's GEMM then applies
+    ``generic_gemm``'s checks: scaling modes, cuBLASLt's FP8 leading dimensions, strided operands.)"""
+    from . import cuda_as_cpu
+
+    if cuda_as_cpu.capability() < (10, 0):
+        return
+    live = [t for a, b in zip(A, B) if math.prod(_dims(a)) and math.prod(_dims(b)) for t in (a, b)]
+    blocks = [_tex._scaling_mode(t) in _tex._BLOCK_MODES for t in live]
+    if any(blocks) and not all(blocks):
+        raise RuntimeError("Either all tensors or no tensor must be FP8 block scaling tensors")
 
 
 def _row_splits(t: torch.Tensor, rows: list) -> list:

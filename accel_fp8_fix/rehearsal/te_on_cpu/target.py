@@ -31,10 +31,17 @@ Where the numbers come from (looked up 2026-12-01 from the wheels' metadata on P
   ``decode_cudnn_version`` reads). cu130: torch 2.11.0 requires ``nvidia-cudnn-cu13==9.19.0.56`` -> 91900.
   cu128: torch 2.10.0 requires ``nvidia-cudnn-cu12==9.10.2.21`` -> 91002.
 * SM count / memory / L2: the product's ``cudaDeviceProp`` as NVIDIA's data sheets give it (H200 SXM: 132
-  SMs, 141 GB HBM3e, 50 MiB L2; H100 SXM: 132 SMs, 80 GB, 50 MiB L2; B200: 148 SMs, 180 GB per GPU in an
+  SMs, 141 GB HBM3e, 60 MiB L2; H100 SXM: 132 SMs, 80 GB, 50 MiB L2; B200: 148 SMs, 180 GB per GPU in an
   HGX B200, 126 MiB L2; L40S: 142 SMs, 48 GB, 96 MiB L2). Memory is given in GiB as ``total_memory``
   reports it (H200: about 139.8 GiB, as the project's device tool describes its H200); the exact byte
   counts of a real board differ slightly (ECC, firmware reservations).
+  L2 as torch's ``get_device_properties`` prints it on real boards (``L2_cache_size`` in MiB; a modal.com
+  script of ai-bot-pro/achatbot, deploy/modal/src/llm/vllm/vlm/skywork_r1v.py): H200 60 MiB (132 SMs,
+  143156 MiB), B200 126 MiB, and "NVIDIA H100 80GB HBM3" 50 MiB in several published printouts. The H200
+  enables all twelve of GH100's memory controllers (six HBM3e stacks) and with them the whole 60 MB L2; the
+  H100 SXM and PCIe enable ten and 50 MB (chipsandcheese.com, "Nvidia's H100: Funny L2"). Not yet read on
+  the project's H200: the GPU kit's probe compares (gpu_kit/device.py). L40S's 96 MiB is not confirmed by a
+  printout (one spec listing says 48 MB).
 * Stream priority range: ``cudaDeviceGetStreamPriorityRange`` gives (0, -5) on sm75 and newer; not yet read on
   the device.
 
@@ -87,7 +94,7 @@ _CU128 = ("CUDA 12.8: torch 2.10.0 (PyPI, the CUDA 12.8 build) requires nvidia-c
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
-        Profile("h200-cu130", "NVIDIA H200", (9, 0), "13.0", 130100, 91900, 132, int(139.8 * _GIB), 50 * _MIB,
+        Profile("h200-cu130", "NVIDIA H200", (9, 0), "13.0", 130100, 91900, 132, int(139.8 * _GIB), 60 * _MIB,
                 "docs/gpu.md (the project's device machine: H200, torch 2.11.0+cu130); " + _CU130),
         Profile("h100-cu128", "NVIDIA H100 80GB HBM3", (9, 0), "12.8", 120804, 91002, 132, 80 * _GIB, 50 * _MIB,
                 _CU128 + "; TE refuses Float8BlockScaling there (it needs CUDA >= 12.9)"),

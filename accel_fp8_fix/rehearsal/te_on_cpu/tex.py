@@ -331,6 +331,8 @@ def _transpose_shape(shape):
 def _transpose_bits(bits: torch.Tensor) -> torch.Tensor:
     if bits.dim() == 0:
         return bits.clone()
+    if bits.numel() == 0:  # transpose.cpp fp8_transpose: allocated [last, *rest], returned before the kernel
+        return torch.empty(_transpose_shape(bits.shape), dtype=bits.dtype)
     last = bits.shape[-1]
     return bits.reshape(-1, last).t().contiguous().reshape(_transpose_shape(bits.shape))
 
@@ -339,6 +341,8 @@ def _untranspose(bits_t: torch.Tensor) -> torch.Tensor:
     """Logical (row-major) layout of a ``_transpose`` buffer of shape ``[last, *rest]``."""
     first = bits_t.shape[0]
     rest = list(bits_t.shape[1:])
+    if bits_t.numel() == 0:
+        return torch.empty([*rest, first], dtype=bits_t.dtype)
     return bits_t.reshape(first, -1).t().contiguous().reshape(*rest, first)
 
 
@@ -1323,6 +1327,116 @@ def _check_gemm_output(D, expected: list, output_dtype, accumulate: bool, beta) 
                                f"found {int(found) if found is not None else D.dtype})")
 
 
+def _is_quantized(t) -> bool:
+    return _is_float8(t) or _is_mxfp8(t) or _is_block_fp8(t) or _is_nvfp4(t)
+
+
+def _logical_dims(t) -> list:
+    """The logical shape of a GEMM operand: a tensor's, a quantized storage's ``size()``, else (a bare per-tensor
+    FP8 holder) its row-wise data's or its transpose's, un-transposed."""
+    if isinstance(t, torch.Tensor) and not _is_quantized(t):
+        return list(t.shape)
+    if callable(getattr(t, "size", None)):
+        return list(t.size())
+    if getattr(t, "_data", None) is not None:
+        return list(t._data.shape)
+    shape_t = list(t._transpose.shape)  # [last, *rest]
+    return shape_t[1:] + shape_t[:1]
+
+
+def _numel(t) -> int:
+    return math.prod(_logical_dims(t))
+
+
+def _refuse_strided(op: str, name: str, t) -> None:
+    """The rehearsal's own refusal (TE has none): TE's extension wraps a plain tensor by ``data_ptr()`` and sizes,
+    never its strides (pytorch/csrc/common.cpp:134-146, ``makeTransformerEngineTensor``: its ``.contiguous()`` is
+    commented out, 137-140), so cuBLAS reads a strided tensor as if it were row-major: on a GPU the GEMM silently
+    uses other elements. Computing the right answer here would hide that; the rehearsal refuses instead."""
+    if t is None or not isinstance(t, torch.Tensor) or _is_quantized(t) or t.is_contiguous():
+        return
+    raise RuntimeError(
+        f"{op} {name}: a non-contiguous tensor (shape {list(t.shape)}, strides {tuple(t.stride())}) refused by the "
+        f"CPU rehearsal (accel_fp8_fix.rehearsal.te_on_cpu): TE's extension hands cuBLAS its data_ptr as a "
+        f"row-major {list(t.shape)} matrix and ignores the strides (transformer_engine/pytorch/csrc/common.cpp:134-146"
+        "), so a GPU would compute with other elements than these, silently; pass a contiguous tensor "
+        "(.contiguous())")
+
+
+def _scaling_mode(t) -> NVTEScalingMode:
+    """The NVTEScalingMode TE's tensor wrapper gives ``t`` (pytorch/csrc/type_converters.cpp); an unquantized
+    tensor has its NoneQuantizer's NVTE_DELAYED_TENSOR_SCALING, as a per-tensor (delayed / current) FP8 one."""
+    if _is_nvfp4(t):
+        return NVTEScalingMode.NVTE_NVFP4_1D_SCALING
+    if _is_block_fp8(t):
+        return NVTEScalingMode.NVTE_BLOCK_SCALING_2D if t._is_2D_scaled else NVTEScalingMode.NVTE_BLOCK_SCALING_1D
+    if _is_mxfp8(t):
+        return NVTEScalingMode.NVTE_MXFP8_1D_SCALING
+    return NVTEScalingMode.NVTE_DELAYED_TENSOR_SCALING
+
+
+_BLOCK_MODES = (NVTEScalingMode.NVTE_BLOCK_SCALING_1D, NVTEScalingMode.NVTE_BLOCK_SCALING_2D)
+
+
+def _check_scaling_modes(A, B) -> None:
+    """TE's refusal of operands with incompatible scaling modes, with its messages.
+
+    - sm100 and newer emulate FP8 block scaling with MXFP8: gemm.cpp:314-319 converts both operands as soon as one
+      is block-scaled, and the conversion refuses any other (swizzle.cpp:307-308);
+    - then ``CanonicalizeGemmInput`` (common/gemm/cublaslt_gemm.cu:107-111): A and B must have the same scaling
+      mode, FP8 block scaling 1-D with 2-D excepted."""
+    a, b = _scaling_mode(A), _scaling_mode(B)
+    if cuda_as_cpu.capability() >= (10, 0) and (a in _BLOCK_MODES or b in _BLOCK_MODES):
+        if not (a in _BLOCK_MODES and b in _BLOCK_MODES):
+            raise RuntimeError("Input tensor must be a block scaling tensor")
+        return
+    if a == b or (a in _BLOCK_MODES and b in _BLOCK_MODES):
+        return
+    raise RuntimeError(f"Inputs A and B to GEMM need to have compatible scaling modes, but got A.scaling_mode = "
+                       f"{a.name}, B.scaling_mode = {b.name}")
+
+
+def _per_tensor_ld(t, ld_row: int, ld_col: int, tn_reads_col: bool, k: int):
+    """The leading dimension ``CanonicalizeGemmInput`` gives a per-tensor FP8 operand (cublaslt_gemm.cu:127-156
+    for A, :219-247 for B), or None where the data it reads is missing (TE then refuses the missing usage; the
+    rehearsal's ``_operand`` does). ``ld_row``: the ld of its row-wise data in this layout; ``ld_col``: of its
+    column-wise data read with the mirrored flag; ``tn_reads_col``: the layout for which a TN-only GPU reads the
+    transposed data."""
+    has_row = t._data is not None
+    has_col = t._transpose is not None and not getattr(t, "_transpose_invalid", False)
+    if not _non_tn_supported():  # TN only: row-wise data transposed, or the transpose: either way ld = k
+        return k if (has_col if tn_reads_col else has_row) else None
+    if has_row:
+        return ld_row
+    return ld_col if has_col else None
+
+
+def _check_fp8_leading_dims(A, transA: bool, B, transB: bool) -> None:
+    """cuBLASLt's FP8 leading-dimension rule as TE checks it, with its messages (common/gemm/cublaslt_gemm.cu):
+    for a per-tensor-scaled (delayed / current) FP8 A, lda % 16 == 0 (:159-163), then ldb % 16 == 0 (:250-254;
+    TE tests A's type there, so B is checked only when A is FP8). lda / ldb as ``CanonicalizeGemmInput`` sets
+    them: on TN-only FP8 GPUs (sm89, sm90, sm120: ``nvte_is_non_tn_fp8_gemm_supported``, transformer_engine.cpp:
+    1191-1203) both are k; on sm100 (any layout) lda = k for a transposed A, else m, and ldb = n for a transposed
+    B, else k (mirrored when only column-wise data is held). Block scaling has its own rule
+    (``_check_block_gemm``); MXFP8 and NVFP4 operands are not checked there."""
+    if not _is_float8(A) or _scaling_mode(A) != NVTEScalingMode.NVTE_DELAYED_TENSOR_SCALING:
+        return
+    a0, a1 = _flat_2d(_logical_dims(A))
+    b0, b1 = _flat_2d(_logical_dims(B))
+    m, k, n = (a0 if transA else a1), (a1 if transA else a0), (b1 if transB else b0)
+    lda = _per_tensor_ld(A, k if transA else m, m if transA else k, not transA, k)
+    if lda is None:
+        return
+    if lda % 16:
+        raise RuntimeError("Leading dimension requirement on A for FP8 GEMM. Caller must pad.")
+    if _is_float8(B):
+        ldb = _per_tensor_ld(B, n if transB else k, k if transB else n, transB, k)
+    else:
+        ldb = n if transB else k  # an unquantized B (the rehearsal refuses the mixed GEMM after)
+    if ldb is not None and ldb % 16:
+        raise RuntimeError("Leading dimension requirement on B for FP8 GEMM. Caller must pad.")
+
+
 def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_type, gelu, gelu_in,
                  grad, workspace, workspace_size, accumulate, use_split_accumulator,
                  comm_overlap=None, comm_type=None, extra_output=None, bulk_overlap=False,
@@ -1331,6 +1445,11 @@ def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_ty
     if comm_overlap is not None:
         raise NotImplementedError("transformer_engine_torch.generic_gemm with comm_overlap "
                                   "(userbuffers): not implemented by the CPU rehearsal")
+    for name, t in (("operand A", A), ("operand B", B), ("output D", D)):
+        _refuse_strided("generic_gemm", name, t)
+    if _numel(A) and _numel(B):  # gemm.cpp:303: an empty operand launches no GEMM (the output is zeroed)
+        _check_scaling_modes(A, B)
+        _check_fp8_leading_dims(A, transA, B, transB)
     a, a_fp8, a_dtype, _ = _operand(A, transA, "generic_gemm operand A")
     b, b_fp8, b_dtype, b_shape = _operand(B, not transB, "generic_gemm operand B")
     if a_fp8 != b_fp8:
