@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "compatibility.md"
 START, END = "<!-- version-matrix:start -->", "<!-- version-matrix:end -->"
 # The pins the suite is written against (scripts/setup.sh); torch is the only variable here.
-PINS = {"accelerate": "1.15.0", "transformers": "5.24.0", "transformer-engine": "2.20.2"}
+PINS = {"accelerate": "1.16.0", "transformers": "5.24.0", "transformer-engine": "2.20.2"}
 LOCK = os.environ.get("ACCEL_FP8_FIX_TEST_LOCK", "/tmp/accel_fp8_fix.mp.lock")
 
 

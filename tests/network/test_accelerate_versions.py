@@ -1,7 +1,7 @@
-"""Every accelerate release a patch set claims, not only the venv's: the newest 1.13.x, 1.14.x and 1.16.x.
+"""Every accelerate release a patch set claims, not only the venv's: the newest 1.13.x, 1.14.x and 1.15.x.
 
 The window of ``patches/accelerate-1.13-1.16.toml`` (and of its rehearsal set) is accelerate >=1.13,<1.17;
-the rest of the suite runs the venv's accelerate (1.15.x). Here each other release line's newest version
+the rest of the suite runs the venv's accelerate (1.16.x). Here each other release line's newest version
 is installed (``pip install --no-deps --target``, cached under ``$ACCEL_FP8_FIX_TEST_CACHE`` or
 ``~/.cache/accel_fp8_fix``; skipped when the registry is unreachable, failed under ``CI=true``) and shadows the venv's accelerate
 through ``PYTHONPATH``, in a fresh interpreter and in every worker of two 2-rank launches:
@@ -31,7 +31,7 @@ from support import versions as V
 # The newest release of each minor line of the window other than the venv's (`pip index versions accelerate`:
 # 1.13.0 and 1.14.0 have no patch releases). test_the_newest_release_of_every_claimed_line_is_tested watches
 # for new ones.
-VERSIONS = ["1.13.0", "1.14.0", "1.16.0"]
+VERSIONS = ["1.13.0", "1.14.0", "1.15.0"]
 FIX_SET = "accelerate-1.13-1.16"
 REHEARSAL_SET = "rehearsal-accelerate-1.13-1.16"
 
