@@ -188,6 +188,7 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
     S.ensure_rehearsal(True)
+    global_batch = S.fp8_rows(global_batch, world_size)
     os.environ[ALL_GATHER_ENV] = all_gather
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[policy]
     build = _model_for(model, dim, depth, out)

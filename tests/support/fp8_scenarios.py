@@ -11,16 +11,20 @@ from . import scenarios as S
 
 STEPS = 10
 LR = 0.05
-GLOBAL_BATCH = 32  # 8 tokens per rank on 4 ranks: TE's FP8 GEMMs need a multiple of 8 per rank
+GLOBAL_BATCH = 32  # on 2 ranks; more on 4 (S.fp8_rows: cuBLASLt's FP8 GEMMs need 16 tokens a rank)
 RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
 CLIP = 0.9  # max grad norm: below the model's norm for the first steps, so clipping acts (asserted in the tests)
 
 
-def _global_batch(dim=S.DIM):
+def _global_batch(dim=S.DIM, rows=GLOBAL_BATCH):
+    """The GLOBAL_BATCH samples, repeated to ``rows`` (a multiple): the same mean loss and gradients, so a 4-rank
+    run (16 rows a rank) meets the same calibrated figures as a 2-rank one (the step-0 norm above CLIP)."""
     import torch
 
     g = torch.Generator().manual_seed(7)
-    return torch.randn(GLOBAL_BATCH, dim, generator=g), torch.randn(GLOBAL_BATCH, 16, generator=g)
+    x, y = torch.randn(GLOBAL_BATCH, dim, generator=g), torch.randn(GLOBAL_BATCH, 16, generator=g)
+    assert rows % GLOBAL_BATCH == 0, rows
+    return x.repeat(rows // GLOBAL_BATCH, 1), y.repeat(rows // GLOBAL_BATCH, 1)
 
 
 def _freeze(model, frozen):
@@ -30,7 +34,7 @@ def _freeze(model, frozen):
     return model
 
 
-def _reference_fp8_losses(steps=STEPS, frozen=()):
+def _reference_fp8_losses(steps=STEPS, frozen=(), rows=GLOBAL_BATCH):
     """(losses, grad norms before clipping) of the same FP8 model trained in this one process on the full
     batch, clipped to ``CLIP`` (no collectives: reduce_amax=False — one process already sees every sample's amax)."""
     import torch
@@ -51,7 +55,7 @@ def _reference_fp8_losses(steps=STEPS, frozen=()):
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                       reduce_amax=False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    x, y = _global_batch()
+    x, y = _global_batch(rows=rows)
     losses, norms = [], []
     for _ in range(steps):
         with te_autocast(te)(True, recipe, None):
@@ -176,7 +180,8 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
                              wrap_cls=["Block"], fp8_recipe=RECIPE,
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
-    reference, reference_norms = _reference_fp8_losses(steps, frozen)
+    rows = S.fp8_rows(GLOBAL_BATCH, world_size)
+    reference, reference_norms = _reference_fp8_losses(steps, frozen, rows)
     model = _freeze(S.block_stack(seed=0), frozen)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     model, opt = acc.prepare(model, opt)
@@ -199,8 +204,8 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
         "optimizer_holds_model_params": {id(p) for g in opt.param_groups for p in g["params"]}
         == {id(p) for p in model.parameters() if p.requires_grad},
     }
-    x, y = _global_batch()
-    per = GLOBAL_BATCH // world_size
+    x, y = _global_batch(rows=rows)
+    per = rows // world_size
     x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
     S.te_reset()
     fwd_gemms = S.count_forward_gemms(te_mods)
@@ -425,8 +430,9 @@ def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentr
             if llama:
                 loss = model(**S.token_batch(batch=2, seq=8, seed=rank)).loss
             else:
-                x, y = _global_batch()
-                per = GLOBAL_BATCH // world_size
+                rows = S.fp8_rows(GLOBAL_BATCH, world_size)
+                x, y = _global_batch(rows=rows)
+                per = rows // world_size
                 loss = torch.nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]).float(),
                                                     y[rank * per:(rank + 1) * per])
             acc.backward(loss)

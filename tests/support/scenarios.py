@@ -35,6 +35,14 @@ ENV_REHEARSAL = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "1"}
 ENV_FIXED = {**_OFF, "ACCEL_FP8_FIX": "1", "ACCEL_FP8_FIX_REHEARSAL": "1"}
 
 DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
+# cuBLASLt's per-tensor FP8 GEMMs on Hopper need every leading dimension a multiple of 16 (TE's
+# cublaslt_gemm.cu:159-163; a wgrad's is the rank's token count): TE's own Python checks only a multiple of 8.
+FP8_ROWS_PER_RANK = 16
+
+
+def fp8_rows(rows: int, world_size: int) -> int:
+    """A global batch of at least ``rows`` that gives each of ``world_size`` ranks 16 rows (an H200 refuses 8)."""
+    return max(rows, FP8_ROWS_PER_RANK * world_size)
 
 
 # -- process-level helpers --------------------------------------------------------------------------------
