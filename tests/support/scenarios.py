@@ -40,6 +40,15 @@ DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unl
 FP8_ROWS_PER_RANK = 16
 
 
+def runtime_error_of(call) -> str | None:
+    """The message of the RuntimeError ``call()`` raises, or None when it returns (a silent answer)."""
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def fp8_rows(rows: int, world_size: int) -> int:
     """A global batch of at least ``rows`` that gives each of ``world_size`` ranks 16 rows (an H200 refuses 8)."""
     return max(rows, FP8_ROWS_PER_RANK * world_size)
