@@ -35,7 +35,8 @@ def missing_from_sources(root, sources, version: str) -> list[str]:
 def block_sha256(source: str, qualname: str) -> str | None:
     """First 16 hex digits of the sha256 of the ``def`` block ``qualname`` (``Class.method`` or ``function``) in
     ``source``: its ``def`` line to its last line (the next line indented no deeper ends it), decorators excluded,
-    trailing blank lines dropped. None when there is no such block. Read as text, never imported."""
+    trailing blank lines dropped. None when there is no such block. Read as text, never imported; the block's
+    statements are found with ``ast`` first, so a string with a line at column 0 does not end it early."""
     import hashlib
 
     lines = source.splitlines(keepends=True)
@@ -50,7 +51,7 @@ def block_sha256(source: str, qualname: str) -> str | None:
             return None
     for i in range(start, len(lines)):
         if lines[i].startswith(f"{indent}def {name}(") or lines[i].startswith(f"{indent}async def {name}("):
-            end = i + 1
+            end = max(i + 1, _last_statement_line(source, i + 1))
             while end < len(lines) and (not lines[end].strip() or lines[end].startswith(indent + " ")
                                         or lines[end].startswith(indent + "\t")):
                 end += 1
@@ -59,6 +60,21 @@ def block_sha256(source: str, qualname: str) -> str | None:
                 block.pop()
             return hashlib.sha256("".join(block).encode()).hexdigest()[:16]
     return None
+
+
+def _last_statement_line(source: str, def_line: int) -> int:
+    """The 1-based last line of the function whose ``def`` is on line ``def_line`` (0 when the source does not
+    parse here): past any multi-line string, whatever its lines' indent."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno == def_line:
+            return node.end_lineno or 0
+    return 0
 
 
 def changed_blocks(root, hashed: dict, version: str) -> list[str]:

@@ -142,6 +142,42 @@ def test_the_installed_torchs_watched_functions_hash_to_its_own_recorded_release
         assert block_sha256((copy / name).read_text(), qualname) == known[installed], qualname
 
 
+_BODY_WITH_A_SHALLOW_STRING = """\
+class Accelerator:
+    def __init__(self, x):
+        doc = \"\"\"a message
+whose second line starts at column 0\"\"\"
+        self.x = x{tail}
+        # a trailing comment inside the block
+
+    def other(self):
+        return 1
+"""
+
+
+def test_a_def_block_runs_past_a_string_line_at_column_0():
+    """A multi-line string with a shallow line ends no block early: code after it is hashed (accelerate 1.16's
+    ``Accelerator.__init__`` / ``PartialState._prepare_backend`` hashed the same as 1.15's before)."""
+    from accel_fp8_fix.internals import block_sha256
+
+    before = block_sha256(_BODY_WITH_A_SHALLOW_STRING.format(tail=""), "Accelerator.__init__")
+    after = block_sha256(_BODY_WITH_A_SHALLOW_STRING.format(tail=" + 1"), "Accelerator.__init__")
+    assert before is not None and before != after
+    # the block is its def line through its trailing comment, not the next method
+    other = block_sha256(_BODY_WITH_A_SHALLOW_STRING.format(tail=""), "Accelerator.other")
+    assert other == block_sha256("class Accelerator:\n    def other(self):\n        return 1\n", "Accelerator.other")
+
+
+def test_a_def_block_runs_past_a_signature_that_closes_at_the_def_indent():
+    """``def f(\n    a,\n) -> None:`` closes its signature at the def's own indent: the body after it is hashed
+    too. Under the old rule 143 of the 1,370 blocks in torch 2.13's FSDP2 and accelerate 1.16 ended early this
+    way or the string's; none of the watched ones (their hashes hold on 2.11-2.15)."""
+    from accel_fp8_fix.internals import block_sha256
+
+    source = "def f(\n    a,\n) -> None:\n    return a{tail}\n"
+    assert block_sha256(source.format(tail=""), "f") != block_sha256(source.format(tail=" + 1"), "f")
+
+
 def test_a_changed_watched_function_is_named_where_a_string_check_still_passes(tmp_path):
     from accel_fp8_fix.internals import changed_blocks, missing_from_sources
     from accel_fp8_fix.internals.torch_fsdp2 import FP8_ALL_GATHER_HASHED, FP8_ALL_GATHER_SOURCES
