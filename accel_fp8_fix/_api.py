@@ -142,7 +142,8 @@ def verified(patch_set) -> str:
 
 
 def engine_for(patch_set: PatchSet) -> Engine:
-    """One engine per patch set for the life of the process (wrapt import hooks cannot be removed)."""
+    """One engine per patch set for the life of the process (its post-import callback, engine/import_hooks.py,
+    cannot be unregistered)."""
     from .engine.engine import Engine
 
     key = (patch_set.kind, patch_set.name)

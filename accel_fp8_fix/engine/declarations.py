@@ -8,7 +8,7 @@ One file declares one patch set, pinned to one version window::
     internals = ["torch_fsdp2"]       # private internals used (accel_fp8_fix/internals/), checked at apply
     on_error = "accel_fp8_fix.diagnostics.notes:on_error"  # (exc, where, instance, args) for patches with notes
     [requires]                        # must be installed and inside the window
-    accelerate = ">=1.13,<1.16"
+    accelerate = ">=1.13,<1.17"
     [compatible]                      # checked only when installed
     transformer-engine = ">=1.12"
     [[patch]]
