@@ -14,6 +14,7 @@ config under the rehearsal — what accelerate decides and what the package says
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -54,13 +55,14 @@ def launch_env(config) -> dict:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    path = config
-    if not isinstance(config, Path):
-        path = Path(tempfile.mkdtemp(prefix="accel_fp8_fix_trainer_")) / "config.yaml"
-        path.write_text(config)
-    args = launch_command_parser().parse_args(["--config_file", str(path), "--main_process_port", "0", "train.py"])
-    args, _, _ = _validate_launch_command(args)
-    env = prepare_multi_gpu_env(args)
+    with tempfile.TemporaryDirectory(prefix="accel_fp8_fix_trainer_") as scratch:
+        path = config
+        if not isinstance(config, Path):
+            path = Path(scratch) / "config.yaml"
+            path.write_text(config)
+        args = launch_command_parser().parse_args(["--config_file", str(path), "--main_process_port", "0", "train.py"])
+        args, _, _ = _validate_launch_command(args)
+        env = prepare_multi_gpu_env(args)
     return {k: v for k, v in env.items() if k.startswith(_LAUNCH_KEYS)}
 
 
@@ -98,13 +100,20 @@ def _arguments(per_device: int, use_cpu: bool = False):
 
 
 def sc_trainer(rank, world_size, layout):
-    from transformers import Trainer
-
     S.ensure_rehearsal(True)
     ref_losses, ref_norms = reference()
     config, per_device = LAYOUTS[layout]
     os.environ.update(launch_env(config))
     args = _arguments(per_device)
+    try:
+        return _train(args, layout, per_device, ref_losses, ref_norms)
+    finally:
+        shutil.rmtree(args.output_dir, ignore_errors=True)
+
+
+def _train(args, layout, per_device, ref_losses, ref_norms):
+    from transformers import Trainer
+
     args.device  # noqa: B018  (TrainingArguments creates the PartialState, as in a script: before the model is loaded)
     model = Z.build("llama")
     if layout == "fsdp2_tp_loaded":
@@ -145,7 +154,11 @@ def sc_trainer_use_cpu(rank, world_size):
     os.environ.update(launch_env(FSDP2_CONFIG))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(model=Z.build("llama"), args=_arguments(1, use_cpu=True), train_dataset=dataset())
+        args = _arguments(1, use_cpu=True)
+        try:
+            trainer = Trainer(model=Z.build("llama"), args=args, train_dataset=dataset())
+        finally:
+            shutil.rmtree(args.output_dir, ignore_errors=True)
     acc = trainer.accelerator
     return {"distributed_type": acc.distributed_type.name, "is_fsdp2": bool(acc.is_fsdp2),
             "fixes_prepare": hasattr(acc, "accel_fp8_fix"),
