@@ -31,21 +31,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def _scenarios():
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        from support import compile_scenarios as C
-        from support import scenarios as S
+        from support import compile_scenarios
+        from support import scenarios
     except ImportError:  # the test helpers moved to tests/support/
-        from support import compile_scenarios as C
-        from support import scenarios as S
-    return C, S
+        from support import compile_scenarios
+        from support import scenarios
+    return compile_scenarios, scenarios
 
 
 def run(backend: str, steps: int, warmup: int) -> dict:
-    C, S = _scenarios()
+    compile_scenarios, scenarios = _scenarios()
     plan = [("sc_fsdp2_fp8_compile", {"backend": backend, "steps": steps})]
     t0 = time.perf_counter()
-    results = C.launch(plan, 2, timeout=900.0)
+    results = scenarios.launch(compile_scenarios, plan, 2, timeout=900.0)
     wall = time.perf_counter() - t0
-    ranks = S.facts_of(results, S.key_of(plan, "sc_fsdp2_fp8_compile", plan[0][1]))
+    ranks = scenarios.facts_of(results, scenarios.key_of(plan, "sc_fsdp2_fp8_compile", plan[0][1]))
     f = ranks[0]
     if f["error"]:
         raise SystemExit(f"{backend}: {f['error']}\n" + "\n".join(f.get("traceback", [])))

@@ -32,14 +32,11 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 
 
 def _scenarios():
-    for path in (os.path.join(TESTS, "support"), TESTS):
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        from support import fp8_all_gather_scenarios as A
-    except ImportError:
-        import fp8_all_gather_scenarios as A
-    return A
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)
+    from support import fp8_all_gather_scenarios, scenarios
+
+    return fp8_all_gather_scenarios, scenarios
 
 
 def _row(world, policy, mode, f, gathered_params):
@@ -63,7 +60,7 @@ def main(argv=None):
     parser.add_argument("--recipe", choices=("delayed", "current", "block"), default="delayed")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    A = _scenarios()
+    fp8_all_gather_scenarios, scenarios = _scenarios()
     print(f"recipe: {args.recipe}")
     print("| ranks | FSDP2 param_dtype | all_gather | bytes gathered / param / step | bytes / param / gather | "
           "weight-amax all-reduces / step | all_reduce calls / step | peak unsharded weights in forward (KiB) | "
@@ -78,9 +75,8 @@ def main(argv=None):
                               "global_batch": 64 if args.recipe == "block" else 32})
                 for policy in ("bf16", "fp32") for mode in ("high_precision", "fp8")]
         print(f"running {world} ranks ...", file=sys.stderr, flush=True)
-        results = A.launch(plan, world, timeout=900.0)
-        for i, (name, kwargs) in enumerate(plan):
-            key = name if i == 0 else f"{name}#{i}"
+        results = scenarios.launch(fp8_all_gather_scenarios, plan, world, timeout=900.0)
+        for key, (name, kwargs) in zip(scenarios.result_keys(plan), plan):
             facts = [r[key] for r in results]
             for rank, f in enumerate(facts):
                 if "scenario_error" in f:

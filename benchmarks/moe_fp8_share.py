@@ -25,20 +25,19 @@ TESTS = os.path.join(os.path.dirname(HERE), "tests")
 def _scenarios():
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)
-    from support import moe_scenarios as M
+    from support import moe_scenarios, scenarios
 
-    return M
+    return moe_scenarios, scenarios
 
 
 def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    M = _scenarios()
+    moe_scenarios, scenarios = _scenarios()
     plan = [("sc_gemm_share", {"experts": False}), ("sc_gemm_share", {"experts": True})]
-    results = M.launch(plan, 2)
+    results = scenarios.launch(moe_scenarios, plan, 2)
     print("| experts | GEMM MFLOP / step | FP8 | high precision | FP8 share of GEMM FLOPs | experts on TE grouped GEMMs |")
     print("|---|---|---|---|---|---|")
-    for i, (name, kwargs) in enumerate(plan):
-        key = name if i == 0 else f"{name}#{i}"
+    for key, (name, kwargs) in zip(scenarios.result_keys(plan), plan):
         f = results[0][key]
         if "scenario_error" in f:
             raise SystemExit(f"{f['scenario_error']}\n" + "\n".join(f["traceback"]))

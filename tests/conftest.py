@@ -2,7 +2,7 @@
 the launcher, the demo), ``tests/network`` (installs other releases / builds wheels from the package
 registry: skipped without it, failed under ``CI=true``), ``tests/gpu`` (real TE, CUDA only).
 
-The scenarios the layers share are the package ``tests/support`` (``from support import scenarios as S``), on
+The scenarios the layers share are the package ``tests/support`` (``from support import scenarios``), on
 pytest's ``pythonpath`` (pyproject.toml). Processes the tests start import them too: ``run_distributed`` workers
 find them from the scenario's module name; scripts under ``accelerate launch`` / torchrun through PYTHONPATH,
 set here once for every child process.
@@ -52,6 +52,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def one_rank(tmp_path_factory):
     """``one_rank(module, scenario, **kwargs)``: facts of a scenario of the ONE one-rank launch the test files share
     (tests/support/one_rank.py; launched at the first call); ``one_rank.path(name)``: a folder of its plan."""
-    from support import one_rank as O
+    from support.one_rank import OneRank
 
-    return O.OneRank(str(tmp_path_factory.mktemp("one_rank")))
+    return OneRank(str(tmp_path_factory.mktemp("one_rank")))

@@ -10,17 +10,17 @@ keeps its own functions out of dynamo's frame compilation (cuda_as_cpu._skip_dyn
 
 import pytest
 
-from support import compile_scenarios as C
-from support import scenarios as S
+from support import compile_scenarios
+from support import scenarios
 
 PLAN = [("sc_fsdp2_fp8_compile", {"backend": "INDUCTOR"}), ("sc_fsdp2_fp8_compile", {"backend": "NO"})]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    results = C.launch(PLAN, 2)
-    return (S.facts_of(results, S.key_of(PLAN, "sc_fsdp2_fp8_compile", {"backend": "INDUCTOR"})),
-            S.facts_of(results, S.key_of(PLAN, "sc_fsdp2_fp8_compile", {"backend": "NO"})))
+    results = scenarios.launch(compile_scenarios, PLAN, 2)
+    return (scenarios.facts_of(results, scenarios.key_of(PLAN, "sc_fsdp2_fp8_compile", {"backend": "INDUCTOR"})),
+            scenarios.facts_of(results, scenarios.key_of(PLAN, "sc_fsdp2_fp8_compile", {"backend": "NO"})))
 
 
 def test_the_uncompiled_fp8_run_trains(runs):

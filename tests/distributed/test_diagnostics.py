@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from support import diagnostics_scenarios as D
-from support import scenarios as S
+from support import diagnostics_scenarios
+from support import scenarios
 
 LINEARS = {f"model.layers.{i}.{p}" for i in range(2) for p in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -21,12 +21,14 @@ USER_FIX = "use accel_fp8_fix.distributed collectives with the mesh"
 
 @pytest.fixture(scope="module")
 def fixed():
-    return D.launch(D.PLAN_FIXED_4, 4, {**S.ENV_FIXED, "ACCEL_FP8_FIX_AUDIT": "1"})
+    return scenarios.launch(diagnostics_scenarios, diagnostics_scenarios.PLAN_FIXED_4, 4,
+                            env={**scenarios.ENV_FIXED, "ACCEL_FP8_FIX_AUDIT": "1"})
 
 
 @pytest.fixture(scope="module")
 def stock():
-    return D.launch(D.PLAN_STOCK_2, 2, S.ENV_REHEARSAL)
+    return scenarios.launch(diagnostics_scenarios, diagnostics_scenarios.PLAN_STOCK_2, 2,
+                            env=scenarios.ENV_REHEARSAL)
 
 
 def _same_error_with_a_note(noted, direct, note_has):
@@ -40,7 +42,7 @@ def _same_error_with_a_note(noted, direct, note_has):
 
 
 def test_audit_of_the_demo_model_reports_the_expected_counts(fixed):
-    for rank, f in enumerate(S.facts_of(fixed, "sc_demo_audit")):
+    for rank, f in enumerate(scenarios.facts_of(fixed, "sc_demo_audit")):
         assert set(f["fp8_modules"]) == LINEARS and set(f["native_tp"]) == LINEARS
         assert [n for n, _ in f["kept"]] == ["lm_head"] and "FSDP2 unit of its own" in f["kept"][0][1]
         assert f["amax_group_ranks"] == [0, 1, 2, 3]
@@ -57,7 +59,7 @@ def test_audit_of_the_demo_model_reports_the_expected_counts(fixed):
 
 
 def test_fp8_coverage_is_the_share_of_gemm_weights_and_matches_the_gemms_te_ran(fixed):
-    for f in S.facts_of(fixed, "sc_demo_audit"):
+    for f in scenarios.facts_of(fixed, "sc_demo_audit"):
         c = f["coverage"]
         assert c["fp8_param_share"] == pytest.approx(f["expected_param_share"])
         assert c["fp8_gemms_per_step"] == f["measured_fp8_gemms"]  # forward + dgrad + wgrad TE really ran in FP8
@@ -67,7 +69,7 @@ def test_fp8_coverage_is_the_share_of_gemm_weights_and_matches_the_gemms_te_ran(
 
 
 def test_planted_stray_state_and_mixed_module_are_named(fixed):
-    for f in S.facts_of(fixed, "sc_demo_audit"):
+    for f in scenarios.facts_of(fixed, "sc_demo_audit"):
         assert f["stray_planted"] == ["model.layers.0.self_attn.q_proj.fp8_meta.planted_amax"]
         assert f["mixed_planted"] == ["gain"]
         e = f["mixed_error"]
@@ -78,9 +80,9 @@ def test_planted_stray_state_and_mixed_module_are_named(fixed):
 
 
 def test_user_hooks_handing_a_dtensor_to_c10d_get_a_note_naming_the_parameter_and_the_fix(fixed):
-    for f in S.facts_of(fixed, "sc_user_hook_errors"):
+    for f in scenarios.facts_of(fixed, "sc_user_hook_errors"):
         assert f["weight_is_dtensor"]
-        assert any(s in f["direct"]["str"] for s in D.SEED_ERRORS)
+        assert any(s in f["direct"]["str"] for s in diagnostics_scenarios.SEED_ERRORS)
         for where, key in (("forward", "forward"), ("optimizer.step", "step"), ("Accelerator.backward", "backward")):
             _same_error_with_a_note(f[key], f["direct"], (
                 f"({where})", "parameter model.layers.0.self_attn.q_proj.weight", "your own code",
@@ -90,7 +92,7 @@ def test_user_hooks_handing_a_dtensor_to_c10d_get_a_note_naming_the_parameter_an
 
 
 def test_stock_accelerate_a1_error_explained_naming_the_module(stock):
-    for f in S.facts_of(stock, "sc_stock_errors_explained"):
+    for f in scenarios.facts_of(stock, "sc_stock_errors_explained"):
         assert f["fixes_active"] is False
         e = f["a1"]
         # torch's own message, matched by meaning (2.9 words it "aten.copy_.default: got mixed ...")
@@ -103,14 +105,14 @@ def test_stock_accelerate_a1_error_explained_naming_the_module(stock):
 
 
 def test_stock_user_broadcast_and_mixture_explained(stock):
-    for f in S.facts_of(stock, "sc_stock_errors_explained"):
+    for f in scenarios.facts_of(stock, "sc_stock_errors_explained"):
         _same_error_with_a_note(f["user"], f["direct"], ("DTensor argument 'tensor' (4,) [Replicate()]",
                                                           "in _user_broadcast", USER_FIX))
         assert "got mixed torch.Tensor and DTensor" in f["mixture"]["str"] and "in mixture" in f["mixture"]["notes"][0]
 
 
 def test_audit_of_stock_fsdp2_fp8_says_fp8_is_off_and_why(stock):
-    for f in S.facts_of(stock, "sc_stock_a2_audit"):
+    for f in scenarios.facts_of(stock, "sc_stock_a2_audit"):
         assert f["measured_fp8_gemms"] == 0  # A2 for real: TE modules, no FP8 GEMM
         assert f["te_modules"] == 7 and f["fp8_modules"] == [] and not f["fixes_prepared"]
         assert f["summary"].startswith("FP8 OFF: 7 Transformer Engine module(s), none runs FP8")
@@ -123,7 +125,7 @@ def test_audit_of_stock_fsdp2_fp8_says_fp8_is_off_and_why(stock):
 @pytest.mark.parametrize("launch_name", ["fixed", "stock"])
 def test_public_collectives_equal_the_reference_on_every_rank(launch_name, request):
     results = request.getfixturevalue(launch_name)
-    for rank, f in enumerate(S.facts_of(results, "sc_public_collectives")):
+    for rank, f in enumerate(scenarios.facts_of(results, "sc_public_collectives")):
         for op in ("broadcast", "all_reduce", "all_gather"):
             assert f[op] and all(f[op].values()), (op, f[op])
         assert len(f["broadcast"]) == (4 if launch_name == "fixed" else 3)
@@ -133,6 +135,6 @@ def test_public_collectives_equal_the_reference_on_every_rank(launch_name, reque
         assert "not promoted to a DTensor" in f["refused"]["plain_without_mesh"]
         assert "a shard is not a replica" in f["refused"]["sharded_dim"]
     if launch_name == "fixed":
-        facts = S.facts_of(results, "sc_public_collectives")
+        facts = scenarios.facts_of(results, "sc_public_collectives")
         assert all(f["plain_all_reduce"] == [6.0, 6.0] for f in facts)  # 0+1+2+3 over the whole 2x2 mesh
         assert {(0, 1), (1, 3)} <= set(facts[1]["groups"])  # rank 1: its 'tp' row and its 'dp' column

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from support import fp8_all_gather_scenarios as A
-from support import scenarios as S
+from support import fp8_all_gather_scenarios
+from support import scenarios
 
 CONVERTED_WEIGHTS = ["head.weight", "blocks.0.fc1.weight", "blocks.0.fc2.weight", "blocks.1.fc1.weight",
                      "blocks.1.fc2.weight"]
@@ -61,8 +61,8 @@ def _plan2(d):
 @pytest.fixture(scope="module")
 def run2(dirs):
     plan = _plan2(dirs)
-    results = A.launch(plan, 2)
-    return lambda name, kwargs: S.facts_of(results, S.key_of(plan, name, kwargs))
+    results = scenarios.launch(fp8_all_gather_scenarios, plan, 2)
+    return lambda name, kwargs: scenarios.facts_of(results, scenarios.key_of(plan, name, kwargs))
 
 
 def _f(run2, dirs, i):
@@ -79,13 +79,13 @@ def test_weights_are_gathered_in_fp8_and_te_gets_them_quantized(run2, dirs):
             # one uint8 all-gather per FSDP2 unit (LayerNorm and bias bytes ride along as uint8 views)
             assert step["all_gather_dtypes"] == ["torch.uint8"]
         # every converted Linear still runs all three GEMMs in FP8
-        assert f["fp8_gemms_fwd"] == 5 * A.STEPS and f["fp8_gemms_bwd"] == 10 * A.STEPS and f["non_fp8_gemms"] == 0
+        assert f["fp8_gemms_fwd"] == 5 * fp8_all_gather_scenarios.STEPS and f["fp8_gemms_bwd"] == 10 * fp8_all_gather_scenarios.STEPS and f["non_fp8_gemms"] == 0
 
 
 def test_one_packed_weight_amax_all_reduce_per_step(run2, dirs):
     on, off = _f(run2, dirs, 0), _f(run2, dirs, 1)
     for f_on, f_off in zip(on, off):
-        assert f_on["scale_reductions"] == A.STEPS
+        assert f_on["scale_reductions"] == fp8_all_gather_scenarios.STEPS
         for s_on, s_off in zip(f_on["per_step"], f_off["per_step"]):
             extra = list(s_on["all_reduces"])
             for n in s_off["all_reduces"]:
@@ -100,7 +100,7 @@ def test_te_gets_the_whole_weights_quantization_bit_for_bit_every_step(run2, dir
     current-scaling scale of its amax, every step; also after a load_state that follows a forward (the load moves
     the shards' version counters: the next forward recomputes)."""
     weights = sorted(w.rsplit(".", 1)[0] for w in CONVERTED_WEIGHTS)
-    for i, steps in ((0, A.STEPS), (2, A.STEPS), (11, 1)):
+    for i, steps in ((0, fp8_all_gather_scenarios.STEPS), (2, fp8_all_gather_scenarios.STEPS), (11, 1)):
         for f in _f(run2, dirs, i):
             assert f["bits"] == {"compared": weights, "steps": steps, "mismatched": []}, (i, f["bits"])
 
@@ -117,9 +117,9 @@ def test_no_collective_inside_fsdp2s_all_gather_hooks_and_the_metadata_is_alloca
     assert _f(run2, dirs, 1)[0]["first_forward_pre_hook"] == "FSDPState._pre_forward"  # switch off: FSDP2's first
     for i in (0, 2):
         for f in _f(run2, dirs, i):
-            assert f["scale_reductions"] == A.STEPS
+            assert f["scale_reductions"] == fp8_all_gather_scenarios.STEPS
             # blocks.0.fc1: resharded after forward, so gathered in forward and again in backward, every step
-            assert f["metadata"] == {"gathers": 2 * A.STEPS, "scale_storages": 1}, f["metadata"]
+            assert f["metadata"] == {"gathers": 2 * fp8_all_gather_scenarios.STEPS, "scale_storages": 1}, f["metadata"]
 
 
 def test_losses_and_grad_norms_match_the_one_process_reference_every_step(run2, dirs):
@@ -339,15 +339,15 @@ def _plan_llm_4(ckpt):
 
 @pytest.fixture(scope="module")
 def llm2():
-    results = A.launch(PLAN_LLM_2, 2)
-    return [S.facts_of(results, S.key_of(PLAN_LLM_2, n, kw)) for n, kw in PLAN_LLM_2]
+    results = scenarios.launch(fp8_all_gather_scenarios, PLAN_LLM_2, 2)
+    return [scenarios.facts_of(results, scenarios.key_of(PLAN_LLM_2, n, kw)) for n, kw in PLAN_LLM_2]
 
 
 @pytest.fixture(scope="module")
 def llm4(llm_dirs):
     plan = _plan_llm_4(llm_dirs)
-    results = A.launch(plan, 4)
-    return [S.facts_of(results, S.key_of(plan, n, kw)) for n, kw in plan]
+    results = scenarios.launch(fp8_all_gather_scenarios, plan, 4)
+    return [scenarios.facts_of(results, scenarios.key_of(plan, n, kw)) for n, kw in plan]
 
 
 def _check_llm(facts, gathered=True):
@@ -398,8 +398,8 @@ def _one(one_rank, **kwargs):
     return one_rank("fp8_all_gather_scenarios", "sc_train", **kwargs)
 
 
-ONE_RANK_RECIPES = [({"recipe": "delayed"}, CONVERTED_WEIGHTS, "Float8Tensor", A.STEPS, (5, 10)),
-                    ({"recipe": "current"}, CONVERTED_WEIGHTS, "Float8Tensor", A.STEPS, (5, 10)),
+ONE_RANK_RECIPES = [({"recipe": "delayed"}, CONVERTED_WEIGHTS, "Float8Tensor", fp8_all_gather_scenarios.STEPS, (5, 10)),
+                    ({"recipe": "current"}, CONVERTED_WEIGHTS, "Float8Tensor", fp8_all_gather_scenarios.STEPS, (5, 10)),
                     (dict(BLOCK), BLOCK_WEIGHTS, "Float8BlockwiseQTensor", 3, (5, 9))]
 
 
@@ -416,7 +416,7 @@ def test_one_rank_every_recipe_gives_te_the_whole_weights_quantization_bit_for_b
     assert f["eval_output_finite"]
 
 
-@pytest.mark.parametrize("kwargs,steps", [({"recipe": "delayed"}, A.STEPS), ({"recipe": "current"}, A.STEPS),
+@pytest.mark.parametrize("kwargs,steps", [({"recipe": "delayed"}, fp8_all_gather_scenarios.STEPS), ({"recipe": "current"}, fp8_all_gather_scenarios.STEPS),
                                           (dict(BLOCK), 3)], ids=["delayed", "current", "block"])
 def test_one_rank_losses_grad_norms_and_the_packed_all_reduce_against_the_reference_and_the_switch_off(
         one_rank, kwargs, steps):

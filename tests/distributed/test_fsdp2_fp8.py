@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from support import fp8_scenarios as F
-from support import scenarios as S
+from support import fp8_scenarios
+from support import scenarios
 
 FROZEN = {"first Linear": ["blocks.0.norm", "blocks.0.fc1"],
           "first block and a norm": ["blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.norm"]}
@@ -25,8 +25,8 @@ PLAN_4 = [("sc_fsdp2_fp8_train", {"dp_replicate": 2, "dp_shard": 2, "steps": 4})
 
 
 def _facts(plan, world, name):
-    results = F.launch(plan, world)
-    return S.facts_of(results, name)
+    results = scenarios.launch(fp8_scenarios, plan, world)
+    return scenarios.facts_of(results, name)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_conversion_happens_after_sharding_on_the_same_parameters(train2):
 def test_fp8_is_on_for_every_converted_layer_on_every_rank(train2):
     for f in train2:
         assert f["fp8_enabled"]
-        F.check_fp8_gemms(f)
+        fp8_scenarios.check_fp8_gemms(f)
 
 
 def test_amax_reduction_is_one_collective_per_pass_on_the_mesh_group(train2):
@@ -53,21 +53,21 @@ def test_amax_reduction_is_one_collective_per_pass_on_the_mesh_group(train2):
         assert f["amax_group_ranks"] == f["mesh_ranks"] == [0, 1]
         assert f["fp8_group_is_amax_group"]
         # one forward reduction + one backward reduction per step, whatever the number of layers
-        assert f["amax_reductions"] == 2 * F.STEPS
+        assert f["amax_reductions"] == 2 * fp8_scenarios.STEPS
 
 
 def test_fp8_state_is_registered_as_buffers_and_identical_on_all_ranks_after_every_step(train2):
     for f in train2:
         assert f["registered"] == ["amax_history", "scale"]
         assert f["buffers_visible"]
-        assert f["fp8_state_identical_every_step"] == [True] * F.STEPS
+        assert f["fp8_state_identical_every_step"] == [True] * fp8_scenarios.STEPS
         assert f["scales_moved"]  # delayed scaling really updated the scales
 
 
 def test_losses_match_the_single_process_fp8_reference(train2):
     reference = train2[0]["reference"]
     for f in train2:
-        F.check_losses(f, reference)
+        fp8_scenarios.check_losses(f, reference)
     assert reference[-1] < 0.8 * reference[0]  # it trains
 
 
@@ -75,22 +75,22 @@ def test_clipped_grad_norm_is_the_single_process_norm(train2):
     """``accelerator.clip_grad_norm_`` on FSDP2's sharded gradients returns the whole model's norm as
     ``float()`` reads it (A17: torch 2.9 returned a Partial DTensor whose float() is one rank's share)."""
     for f in train2:
-        F.check_grad_norms(f)
+        fp8_scenarios.check_grad_norms(f)
 
 
 def test_tes_fsdp2_weight_path_is_taken_and_the_checks_tell_a_run_without_it_apart(train2):
     """Every TE module takes TE's FSDP2 weight path (``is_fsdp2``, its cached FSDP2 state = its enclosing unit's),
     and the step-0 grad-norm check is tight enough to fail when that path is off on the ranks."""
     for f in train2:
-        assert F.LINEARS <= set(f["is_fsdp2"])
+        assert fp8_scenarios.LINEARS <= set(f["is_fsdp2"])
         assert all(f["is_fsdp2"].values()) and all(f["cached_state_is_enclosing_unit"].values())
-    mutated = S.facts_of(F.launch(PLAN_2, 2), S.key_of(PLAN_2, "sc_fsdp2_fp8_train", {"steps": 2, "te_fsdp2_path": False}))
+    mutated = scenarios.facts_of(scenarios.launch(fp8_scenarios, PLAN_2, 2), scenarios.key_of(PLAN_2, "sc_fsdp2_fp8_train", {"steps": 2, "te_fsdp2_path": False}))
     for f in mutated:
         assert not any(f["is_fsdp2"].values())
         with pytest.raises(AssertionError):
-            F.check_grad_norms(f)
+            fp8_scenarios.check_grad_norms(f)
         rel = abs(f["grad_norms"][0] / f["reference_grad_norms"][0] - 1)
-        assert rel > 2 * F.STEP0_NORM_REL, rel  # well outside, not at the edge
+        assert rel > 2 * fp8_scenarios.STEP0_NORM_REL, rel  # well outside, not at the edge
 
 
 def test_two_dim_data_parallel_mesh_flattens_into_one_amax_group():
@@ -103,7 +103,7 @@ def test_two_dim_data_parallel_mesh_flattens_into_one_amax_group():
         assert f["fp8_state_identical_every_step"] == [True] * 4
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-6)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
-        F.check_grad_norms(f)  # HSDP: the norm is reduced over dp_replicate x dp_shard
+        fp8_scenarios.check_grad_norms(f)  # HSDP: the norm is reduced over dp_replicate x dp_shard
 
 
 def test_no_convertible_layer_warns_names_them_and_trains_in_high_precision():
@@ -134,14 +134,14 @@ def test_conversion_after_sharding_never_allocates_a_full_size_weight():
 
 
 def test_checkpoint_saved_on_4_ranks_loads_on_2_bit_for_bit(tmp_path):
-    saved = F.launch([("sc_checkpoint_save", {"out_dir": str(tmp_path)})], 4)
-    first = S.facts_of(saved, "sc_checkpoint_save")[0]
+    saved = scenarios.launch(fp8_scenarios, [("sc_checkpoint_save", {"out_dir": str(tmp_path)})], 4)
+    first = scenarios.facts_of(saved, "sc_checkpoint_save")[0]
     keys = first["keys"]
     assert any(k.endswith("_extra_state") for k in keys) and any(k.endswith("fc1.weight") for k in keys)
     # the export (get_state_dict's default unwrap=True, what save_model writes): every weight, no FP8 state
     assert first["export_keys"] == sorted(k for k in keys if not k.endswith("_extra_state"))
-    loaded = F.launch([("sc_checkpoint_load", {"out_dir": str(tmp_path)})], 2)
-    for f in S.facts_of(loaded, "sc_checkpoint_load"):
+    loaded = scenarios.launch(fp8_scenarios, [("sc_checkpoint_load", {"out_dir": str(tmp_path)})], 2)
+    for f in scenarios.facts_of(loaded, "sc_checkpoint_load"):
         assert f["missing"] == [] and f["mismatched"] == []
         assert f["extra_state_keys"] == 7 and f["nonempty_extra_state"] == 5  # FP8 state of every TE Linear; +2 empty ones of the converted te.LayerNorms (TE's op-based norms have _extra_state)
         assert f["fp8_state_identical"]
@@ -157,8 +157,8 @@ PLAN_AC = [("sc_activation_checkpointing", {"how": h, "fix": fix}) for h, fix in
 
 @pytest.fixture(scope="module")
 def ac():
-    results = F.launch(PLAN_AC, 2)
-    return {kw["how"] + ("" if kw["fix"] else "-stock"): S.facts_of(results, S.key_of(PLAN_AC, n, kw))
+    results = scenarios.launch(fp8_scenarios, PLAN_AC, 2)
+    return {kw["how"] + ("" if kw["fix"] else "-stock"): scenarios.facts_of(results, scenarios.key_of(PLAN_AC, n, kw))
             for n, kw in PLAN_AC}
 
 
@@ -190,23 +190,23 @@ def test_frozen_first_layers_keep_one_backward_reduction_and_the_reference_losse
     module do it only if something of it needs grad): still one reduction per pass on the mesh's group,
     identical state, and the losses of the same freezing in one process."""
     kwargs = {"frozen": FROZEN[case], "steps": 4}
-    results = F.launch(PLAN_2, 2)
-    for f in S.facts_of(results, S.key_of(PLAN_2, "sc_fsdp2_fp8_train", kwargs)):
+    results = scenarios.launch(fp8_scenarios, PLAN_2, 2)
+    for f in scenarios.facts_of(results, scenarios.key_of(PLAN_2, "sc_fsdp2_fp8_train", kwargs)):
         assert f["amax_reductions"] == 2 * 4 and f["fp8_state_identical_every_step"] == [True] * 4
         assert f["fp8_gemms_fwd"] == 5 * 4 and f["non_fp8_gemms"] == 0
         # frozen layers whose input needs no grad run neither dgrad nor wgrad
         assert f["fp8_gemms_bwd"] == bwd_gemms_per_step * 4
-        F.check_losses(f, f["reference"])
-        F.check_grad_norms(f)
+        fp8_scenarios.check_losses(f, f["reference"])
+        fp8_scenarios.check_grad_norms(f)
 
 
 def test_fsdp2_with_mxfp8_from_accelerates_recipe_kwargs():
     """MXFP8 (block scaling, stateless) through accelerate's TERecipeKwargs(use_mxfp8_block_scaling=True), on
     TE's Python answering as sm100: every GEMM in MXFP8, no amax collective, nothing pickled in the state
     dict, losses of the same recipe in one process."""
-    results = F.launch([("sc_fsdp2_mxfp8_train", {})], 2,
-                       env={**S.ENV_FIXED, "ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"})
-    for f in S.facts_of(results, "sc_fsdp2_mxfp8_train"):
+    results = scenarios.launch(fp8_scenarios, [("sc_fsdp2_mxfp8_train", {})], 2,
+                       env={**scenarios.ENV_FIXED, "ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"})
+    for f in scenarios.facts_of(results, "sc_fsdp2_mxfp8_train"):
         assert f["recipe"] == "MXFP8BlockScaling" and f["fp8_enabled"]
         # MXFP8 needs weight dims in multiples of 32: the 64 -> 16 head is kept, with the reason
         assert f["skipped"] == [["head", "in_features=64, out_features=16: TE's FP8 GEMMs need multiples of 32"]]
@@ -228,9 +228,9 @@ def test_one_rank_fsdp2_fp8_conversion_state_and_losses(one_rank):
     assert f["amax_reductions"] == 0  # TE reduces amaxes only over a group of more than one rank
     assert f["registered"] == ["amax_history", "scale"] and f["scales_moved"]
     assert all(f["is_fsdp2"].values()) and all(f["cached_state_is_enclosing_unit"].values())
-    F.check_fp8_gemms(f)
-    F.check_losses(f, f["reference"])
-    F.check_grad_norms(f)
+    fp8_scenarios.check_fp8_gemms(f)
+    fp8_scenarios.check_losses(f, f["reference"])
+    fp8_scenarios.check_grad_norms(f)
 
 
 def test_one_rank_checkpoint_round_trip_bit_for_bit(one_rank):

@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from support import scenarios as S
-from support import tp_checkpoint_scenarios as C
-from support import tp_scenarios as T
+from support import scenarios
+from support import tp_checkpoint_scenarios
+from support import tp_scenarios
 
 pytestmark = pytest.mark.skipif(os.environ.get("ACCEL_FP8_FIX_8RANK") != "1",
                                 reason="8 gloo ranks: set ACCEL_FP8_FIX_8RANK=1 (docs/testing.md)")
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("ACCEL_FP8_FIX_8RANK") != "1",
 @pytest.fixture(scope="module")
 def three_d(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("3d"))
-    return S.facts_of(C.launch([("sc_3d", {"out_dir": out})], 8, timeout=900.0), "sc_3d")
+    return scenarios.facts_of(scenarios.launch(tp_checkpoint_scenarios, [("sc_3d", {"out_dir": out})], 8, timeout=900.0), "sc_3d")
 
 
 def test_hsdp_x_tp_trains_in_fp8_like_the_single_process_reference(three_d):
@@ -34,7 +34,7 @@ def test_hsdp_x_tp_trains_in_fp8_like_the_single_process_reference(three_d):
         assert f["fp8_state_identical"]
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-5)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
-        assert f["reference_grad_norms"][0] > T.CLIP  # clipping acts
+        assert f["reference_grad_norms"][0] > tp_scenarios.CLIP  # clipping acts
         assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=2e-2)
 
 

@@ -23,7 +23,7 @@ from torch import nn
 import accel_fp8_fix
 from accel_fp8_fix.testing import DistributedTestError
 from support import launcher
-from support import versions as V
+from support import versions
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -203,7 +203,7 @@ def fsdp_buffers_extra_state(rank, world):
     acc = _accelerator(rank)
     full_sd = _full_sd_for(rank, ref.state_dict())
 
-    if V.accelerate_at_least("1.16"):
+    if versions.accelerate_at_least("1.16"):
         # 1.16 loads plain buffers, but rank 0 meets a non-tensor extra state before its broadcast while the
         # others wait in theirs (a hang): stock is asked about the buffers alone
         plain = _reference(extras=False)
@@ -234,7 +234,7 @@ def fsdp_buffers_extra_state(rank, world):
 def test_a5_fsdp2_buffers_and_extra_state():
     out = launcher.run(fsdp_buffers_extra_state, 2, timeout=90)
     for r in out:
-        if V.accelerate_at_least("1.16"):
+        if versions.accelerate_at_least("1.16"):
             assert r["stock"] is None  # 1.16 fixed the plain-buffer half of A5 (the extra-state half stays)
         else:
             assert "'Tensor' object has no attribute 'device_mesh'" in r["stock"], r["stock"]

@@ -17,17 +17,17 @@ import sys
 
 import pytest
 
-from support import scenarios as S
-from support import zoo_scenarios as Z
+from support import scenarios
+from support import zoo_scenarios
 
 FULL = os.environ.get("ACCEL_FP8_FIX_ZOO") == "full"
 # FSDP2 x TP for every family (with a checkpoint round trip); TP where families differ (norms inside
 # attention, fused projections, MoE); FSDP2 / HSDP once each beyond Llama (tested in test_fsdp2_fp8.py);
 # and Qwen3 FSDP2 x TP without FP8, where gradients must equal the reference exactly.
-PLAN_2D = [("sc_zoo", {"family": f, "layout": "fsdp2_tp", "out_dir": None}) for f in Z.FAMILIES] + [
+PLAN_2D = [("sc_zoo", {"family": f, "layout": "fsdp2_tp", "out_dir": None}) for f in zoo_scenarios.FAMILIES] + [
     ("sc_zoo", {"family": "llama", "layout": "fsdp2_tp_loaded", "out_dir": None})]  # N-D loading (A18), as the demo
 PLAN_OTHER = (
-    [("sc_zoo", {"family": f, "layout": l}) for l in ("fsdp2", "tp", "hsdp") for f in Z.FAMILIES]
+    [("sc_zoo", {"family": f, "layout": l}) for l in ("fsdp2", "tp", "hsdp") for f in zoo_scenarios.FAMILIES]
     if FULL else
     [("sc_zoo", {"family": f, "layout": "tp"}) for f in ("qwen3", "gemma3", "phi3", "qwen3_moe")]
     + [("sc_zoo", {"family": "qwen2", "layout": "fsdp2"}), ("sc_zoo", {"family": "qwen3_moe", "layout": "hsdp"})]
@@ -40,15 +40,15 @@ class _Zoo:
 
     def __init__(self, ckpt_dir):
         plan_2d = [(n, {**kw, "out_dir": ckpt_dir}) for n, kw in PLAN_2D]
-        self.where = {"mesh_mismatch": (Z.launch(PLAN_OTHER + [("sc_loaded_mesh_mismatch", {})], 4),
+        self.where = {"mesh_mismatch": (scenarios.launch(zoo_scenarios, PLAN_OTHER + [("sc_loaded_mesh_mismatch", {})], 4),
                                         "sc_loaded_mesh_mismatch")}
-        for plan, launched in ((plan_2d, Z.launch(plan_2d, 4)), (PLAN_OTHER, self.where["mesh_mismatch"][0])):
+        for plan, launched in ((plan_2d, scenarios.launch(zoo_scenarios, plan_2d, 4)), (PLAN_OTHER, self.where["mesh_mismatch"][0])):
             for name, kwargs in plan:
                 case = (kwargs["family"], kwargs["layout"], kwargs.get("precision", "fp8"))
-                self.where[case] = (launched, S.key_of(plan, name, kwargs))
+                self.where[case] = (launched, scenarios.key_of(plan, name, kwargs))
 
     def __getitem__(self, case):
-        return S.facts_of(*self.where[case])
+        return scenarios.facts_of(*self.where[case])
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +72,16 @@ def test_family_trains_like_the_single_process_reference(zoo, family, layout, pr
             # plus the gather / split of transformers' colwise_gather_output / rowwise_split_input)
             assert f["converted"] == f["reference_converted"] and f["converted"]
             experts = [f"model.layers.{i}.mlp.experts" for i in (0, 1)] if family == "qwen3_moe" else []
-            linears = len(f["converted"]) * Z.STEPS
+            linears = len(f["converted"]) * zoo_scenarios.STEPS
             if experts and f["experts_expected"]:  # packed experts on TE grouped GEMMs: one FP8 GEMM an expert hit
                 assert f["experts"] == experts and list(f["skipped"]) == ["lm_head"]
-                assert linears < f["fp8_gemms_fwd"] <= linears + 2 * 4 * len(experts) * Z.STEPS
+                assert linears < f["fp8_gemms_fwd"] <= linears + 2 * 4 * len(experts) * zoo_scenarios.STEPS
             else:  # Qwen3-MoE under TP 4: 8 expert rows a rank, below FP8's 16: kept, named (the reference too)
                 assert f["experts"] == [] and list(f["skipped"]) == ["lm_head", *experts]
                 assert all("multiples of 16" in f["skipped"][e] for e in experts)
                 assert f["fp8_gemms_fwd"] == linears
             assert f["fp8_enabled"]
-            assert f["fp8_state_identical_every_step"] == [True] * Z.STEPS
+            assert f["fp8_state_identical_every_step"] == [True] * zoo_scenarios.STEPS
         # step 0 agrees to FP8 summation-order noise (exactly without FP8); later steps within FP8 resolution
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4 if fp8 else 1e-6)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2 if fp8 else 1e-6)
@@ -95,7 +95,7 @@ def test_family_trains_like_the_single_process_reference(zoo, family, layout, pr
         assert max(errors.values()) < (0.35 if fp8 else 1e-5), errors
 
 
-@pytest.mark.parametrize("family,layout", [(f, "fsdp2_tp") for f in Z.FAMILIES] + [("llama", "fsdp2_tp_loaded")])
+@pytest.mark.parametrize("family,layout", [(f, "fsdp2_tp") for f in zoo_scenarios.FAMILIES] + [("llama", "fsdp2_tp_loaded")])
 def test_fsdp2_x_tp_checkpoint_round_trips_bit_for_bit(zoo, family, layout):
     for f in zoo[(family, layout, "fp8")]:
         # qwen3_moe: its TP-packed experts (gate_up_proj, _StridedShard on tp) written one chunk per row range (A16)
@@ -133,10 +133,10 @@ def test_save_model_exports_what_plain_transformers_loads(zoo, ckpt_dir):
     plain transformers in a clean process without this package or Transformer Engine: no missing, unexpected
     (``_extra_state``) or mismatched key, and every weight equal to the trained full weight, dtype included."""
     exports = []
-    for family, layout in [(f, "fsdp2_tp") for f in Z.FAMILIES] + [("llama", "fsdp2_tp_loaded")]:
+    for family, layout in [(f, "fsdp2_tp") for f in zoo_scenarios.FAMILIES] + [("llama", "fsdp2_tp_loaded")]:
         facts = zoo[(family, layout, "fp8")][0]
         assert facts.get("checkpoint_load_error") is None
-        if family == "qwen3_moe" and S.torch_below(12):  # DTensor < 2.12 cannot gather the TP-packed experts
+        if family == "qwen3_moe" and scenarios.torch_below(12):  # DTensor < 2.12 cannot gather the TP-packed experts
             assert "shard_order" in (facts.get("export_error") or ""), facts.get("export_error")
             continue  # (a torch limitation; the pure-TP case is a strict xfail in test_tp_checkpoint.py)
         assert facts.get("export_error") is None, facts["export_error"]

@@ -10,16 +10,16 @@ Scenarios: tests/support/moe_scenarios.py; one 2-rank launch (FSDP2; TP alone fo
 
 import pytest
 
-from support import moe_scenarios as M
-from support import scenarios as S
+from support import moe_scenarios
+from support import scenarios
 
-PLAN_2 = [("sc_moe", {"family": f, "layout": "fsdp2", "fp8": fp8}) for f in M.FAMILIES for fp8 in (True, False)] + [
+PLAN_2 = [("sc_moe", {"family": f, "layout": "fsdp2", "fp8": fp8}) for f in moe_scenarios.FAMILIES for fp8 in (True, False)] + [
     ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": fp8}) for fp8 in (True, False)] + [  # TP alone, 2 ranks
     ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": False, "experts": False}),  # transformers' experts, same TP
     ("sc_proportioned_coverage", {})]
 TP_ALONE_OFF = {"family": "qwen3_moe", "layout": "tp", "fp8": False}
 PLAN_4 = [("sc_moe", {"family": f, "layout": layout, "fp8": fp8})
-          for layout in ("hsdp", "fsdp2_tp") for f in M.FAMILIES for fp8 in (True, False)]
+          for layout in ("hsdp", "fsdp2_tp") for f in moe_scenarios.FAMILIES for fp8 in (True, False)]
 LINEARS_PER_LAYER = {"qwen3_moe": 4, "qwen2_moe": 7}  # q, k, v, o (+ the shared expert's gate, up, down)
 EXPERT_GEMMS_PER_STEP = 4 * 2 * 2  # at most: 4 experts x 2 projections x 2 layers, forward
 CASES = [kw for name, kw in PLAN_2 + PLAN_4 if name == "sc_moe" and kw.get("experts", True) and kw != TP_ALONE_OFF]
@@ -27,18 +27,18 @@ CASES = [kw for name, kw in PLAN_2 + PLAN_4 if name == "sc_moe" and kw.get("expe
 
 @pytest.fixture(scope="module")
 def launched():
-    return {2: M.launch(PLAN_2, 2), 4: M.launch(PLAN_4, 4)}
+    return {2: scenarios.launch(moe_scenarios, PLAN_2, 2), 4: scenarios.launch(moe_scenarios, PLAN_4, 4)}
 
 
 def _facts(launched, kw):
     plan, world = (PLAN_2, 2) if kw["layout"] in ("fsdp2", "tp") else (PLAN_4, 4)
-    return S.facts_of(launched[world], S.key_of(plan, "sc_moe", kw))
+    return scenarios.facts_of(launched[world], scenarios.key_of(plan, "sc_moe", kw))
 
 
 def _plain_parameter_names(family):
-    from support import zoo_scenarios as Z
+    from support import zoo_scenarios
 
-    return sorted(n for n, _ in Z.build(family).named_parameters())
+    return sorted(n for n, _ in zoo_scenarios.build(family).named_parameters())
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: f"{kw['family']}-{kw['layout']}-{'fp8' if kw['fp8'] else 'off'}")
@@ -46,7 +46,7 @@ def test_experts_train_like_the_one_process_reference(launched, kw):
     _check_trains_like_the_reference(_facts(launched, kw), kw)
 
 
-@pytest.mark.parametrize("family", M.FAMILIES)
+@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
 def test_one_rank_experts_train_like_the_one_process_reference(one_rank, family):
     """Single-GPU FSDP2 (tests/support/one_rank.py: one launch the test files share): the same checks."""
     kw = {"family": family, "layout": "fsdp2_one_rank", "fp8": True}
@@ -61,12 +61,12 @@ def _check_trains_like_the_reference(facts, kw):
         assert not any(".experts" in n for n in f["skipped"]), f["skipped"]
         assert f["params_are_leaves"] and f["param_names"] == names  # the user's parameters, untouched
         # the experts ran in TE: 2 grouped modules per layer, forward / dgrad / wgrad each one grouped GEMM
-        assert f["runner_calls"] == 4 * M.STEPS and f["grouped_gemms"] == 12 * M.STEPS
-        linears = 2 * LINEARS_PER_LAYER[kw["family"]] * M.STEPS
+        assert f["runner_calls"] == 4 * moe_scenarios.STEPS and f["grouped_gemms"] == 12 * moe_scenarios.STEPS
+        linears = 2 * LINEARS_PER_LAYER[kw["family"]] * moe_scenarios.STEPS
         gemms = f["fp8_gemms_fwd"] if fp8 else f["non_fp8_gemms_fwd"]
-        assert linears < gemms <= linears + EXPERT_GEMMS_PER_STEP * M.STEPS
+        assert linears < gemms <= linears + EXPERT_GEMMS_PER_STEP * moe_scenarios.STEPS
         assert (f["non_fp8_gemms_fwd"] if fp8 else f["fp8_gemms_fwd"]) == 0
-        assert f["fp8_state_identical_every_step"] == [True] * M.STEPS
+        assert f["fp8_state_identical_every_step"] == [True] * moe_scenarios.STEPS
         if fp8:  # step 0 to FP8 summation-order noise, later steps within FP8 resolution
             assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4)
             assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
@@ -104,7 +104,7 @@ def test_coverage_of_a_qwen3_moe_with_real_proportions_and_no_warning(launched):
     """The demo line's figure after the package's prepare: with a real MoE's proportions (experts most of the
     GEMM weights) >= 90 % of GEMM parameters in FP8 — the rest lm_head (its own FSDP2 unit) and the routers, both
     by design, so prepare does not warn."""
-    for f in S.facts_of(launched[2], S.key_of(PLAN_2, "sc_proportioned_coverage", {})):
+    for f in scenarios.facts_of(launched[2], scenarios.key_of(PLAN_2, "sc_proportioned_coverage", {})):
         assert f["coverage"] >= 0.9, f
         kept = dict(f["high_precision"])
         assert set(kept) == {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}, kept
@@ -119,10 +119,10 @@ def test_tp_alone_without_fp8_is_transformers_own_experts_under_the_same_tp(laun
     import torch
 
     ours = _facts(launched, TP_ALONE_OFF)
-    theirs = S.facts_of(launched[2], S.key_of(PLAN_2, "sc_moe", {**TP_ALONE_OFF, "experts": False}))
+    theirs = scenarios.facts_of(launched[2], scenarios.key_of(PLAN_2, "sc_moe", {**TP_ALONE_OFF, "experts": False}))
     for f, g in zip(ours, theirs):
         assert f["experts"] and not g["experts"] and g["runner_calls"] == 0
-        assert f["runner_calls"] == 4 * M.STEPS and f["non_fp8_gemms_fwd"] > g["non_fp8_gemms_fwd"]
+        assert f["runner_calls"] == 4 * moe_scenarios.STEPS and f["non_fp8_gemms_fwd"] > g["non_fp8_gemms_fwd"]
         assert f["losses"] == pytest.approx(g["losses"], rel=1e-6)
         assert f["grad_norms"] == pytest.approx(g["grad_norms"], rel=1e-5)
         for name, grad in g["step0_expert_grads"].items():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from support import agreement, launcher
-from support import scenarios as S
+from support import scenarios
 
 pytestmark = pytest.mark.run_last
 
@@ -19,12 +19,12 @@ def test_each_files_rotating_scenario_equals_its_fresh_interpreter_run():
     problems, checked = [], []
     for (world_size, env, audit), members in agreement.groups(chosen).items():
         entries = [(c["launch"]["module"], c["name"], c["kwargs"]) for c in members]
-        fresh = launcher.run(S.run_entries, world_size, args=(entries,), env=json.loads(env), fresh=True,
+        fresh = launcher.run(scenarios.run_entries, world_size, args=(entries,), env=json.loads(env), fresh=True,
                              init_process_group=False, audit_collectives=audit,
                              timeout=sum(c["launch"]["timeout"] for c in members),
                              collective_timeout=max(c["launch"]["collective_timeout"] for c in members))
         for position, c in enumerate(members):
-            key = S.key_of(c["launch"]["plan"], c["name"], c["kwargs"])
+            key = scenarios.key_of(c["launch"]["plan"], c["name"], c["kwargs"])
             for rank in range(world_size):
                 pooled_facts = agreement.normalized(c["launch"]["results"][rank][key])
                 fresh_facts = agreement.normalized(fresh[rank][position])

@@ -17,24 +17,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from support import scenarios as S
+from support import scenarios
 
 HERE = Path(__file__).resolve().parent.parent  # tests/: the helper modules
 REPO = HERE.parent
 
 
-@pytest.fixture(scope="module")
-def two():
-    return S.launch(S.PLAN_2RANK, 2, env=S.ENV_REHEARSAL)
-
-
-@pytest.fixture(scope="module")
-def four():
-    return S.launch(S.PLAN_4RANK, 4, env=S.ENV_REHEARSAL, timeout=180, audit_collectives=False)
-
-
-def _facts(results, plan, name, kwargs=None):
-    return S.facts_of(results, S.key_of(plan, name, kwargs))
+ENV = scenarios.ENV_REHEARSAL  # the environment of the launches ``two`` and ``four`` (tests/distributed/conftest.py)
 
 
 def _assert_rehearsed(f, world, mesh=None):
@@ -171,7 +160,7 @@ def test_ranks_ran_without_fixes_and_with_rehearsal(two):
 
 
 def test_fsdp2_prepare_shards_and_trains_like_the_oracle(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_fsdp2_train", {}):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_fsdp2_train", {}):
         _assert_rehearsed(f, 2, mesh=None)
         assert f["model_type"] == "FSDPBlockStack" and f["fsdp_modules"] == 3  # 2 Blocks + root
         assert f["all_dtensor"] and f["param_meshes"] == [["cpu", [], [2]]]
@@ -183,7 +172,7 @@ def test_fsdp2_prepare_shards_and_trains_like_the_oracle(two):
 
 
 def test_fsdp2_on_parallelism_config_mesh(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_fsdp2_train", {"dp_shard": 2}):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_fsdp2_train", {"dp_shard": 2}):
         _assert_rehearsed(f, 2, mesh={"device_type": "cpu", "dim_names": ["dp_shard"], "shape": [2]})
         assert f["all_dtensor"] and f["param_meshes"] == [["cpu", ["dp_shard_cp"], [2]]]
         assert f["losses"] == pytest.approx(f["reference_losses"], rel=1e-5)
@@ -191,13 +180,13 @@ def test_fsdp2_on_parallelism_config_mesh(two):
 
 
 def test_cpu_true_is_rehearsed_too(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_fsdp2_cpu_true"):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_fsdp2_cpu_true"):
         _assert_rehearsed(f, 2, mesh={"device_type": "cpu", "dim_names": ["dp_shard"], "shape": [2]})
         assert f["model_type"] == "FSDPBlockStack" and f["all_dtensor"]
 
 
 def test_tp_prepare_and_train(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_tp_train"):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_tp_train"):
         assert f["distributed_type"] == "MULTI_GPU" and not f["is_fsdp2"]
         assert f["device"] == "cpu" and f["backend"] == "gloo"
         assert f["mesh"] == {"device_type": "cpu", "dim_names": ["tp"], "shape": [2]}
@@ -213,20 +202,20 @@ def test_tp_prepare_and_train(two):
 
 
 def test_partial_state_created_first_from_launcher_env(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_partial_state_first"):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_partial_state_first"):
         assert f["partial_state"] == {"distributed_type": "MULTI_GPU", "backend": "gloo", "device": "cpu"}
         _assert_rehearsed(f, 2, mesh=None)
         assert f["model_type"] == "FSDPBlockStack" and f["fsdp_modules"] == 3 and f["all_dtensor"]
 
 
 def test_tp_still_needs_a_tp_sharded_model(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_tp_without_tp_size"):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_tp_without_tp_size"):
         assert f["prepare_error"].startswith("NotImplementedError: Model should undergo tensor parallel")
 
 
 def test_stock_accelerate_without_the_gates(two):
     """Rehearsal off in the same ranks: exactly the stock behaviour the gates lift."""
-    for rank, f in enumerate(_facts(two, S.PLAN_2RANK, "sc_stock_gates")):
+    for rank, f in enumerate(scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_stock_gates")):
         # torchrun rank, no cpu=True: silently undistributed, FSDP plugin unused, params untouched
         a = f["fsdp2_plugin"]
         assert (a["distributed_type"], a["num_processes"], a["backend"], a["is_fsdp2"]) == ("NO", 1, None, False)
@@ -247,7 +236,7 @@ def test_stock_accelerate_without_the_gates(two):
 
 # -- 4 ranks ------------------------------------------------------------------------------------------------
 def test_fsdp2_on_four_ranks(four):
-    for f in _facts(four, S.PLAN_4RANK, "sc_fsdp2_train", {"dp_shard": 4}):
+    for f in scenarios.plan_facts(four, scenarios.PLAN_4RANK, "sc_fsdp2_train", {"dp_shard": 4}):
         _assert_rehearsed(f, 4, mesh={"device_type": "cpu", "dim_names": ["dp_shard"], "shape": [4]})
         assert f["all_dtensor"] and f["param_meshes"] == [["cpu", ["dp_shard_cp"], [4]]]
         assert f["losses"] == pytest.approx(f["reference_losses"], rel=1e-5)
@@ -255,7 +244,7 @@ def test_fsdp2_on_four_ranks(four):
 
 
 def test_fsdp2_x_tp_builds_the_2d_mesh_on_cpu(four):
-    facts = _facts(four, S.PLAN_4RANK, "sc_mesh_2d")
+    facts = scenarios.plan_facts(four, scenarios.PLAN_4RANK, "sc_mesh_2d")
     for f in facts:
         _assert_rehearsed(f, 4, mesh={"device_type": "cpu", "dim_names": ["dp_shard", "tp"], "shape": [2, 2]})
         assert f["flattened"] == ["dp", "dp_cp", "dp_shard_cp"]
@@ -265,7 +254,7 @@ def test_fsdp2_x_tp_builds_the_2d_mesh_on_cpu(four):
 # -- single process and accelerate launch -----------------------------------------------------------------
 def _clean_env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(S.ENV_REHEARSAL, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(scenarios.ENV_REHEARSAL, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE) + os.pathsep + env.get("PYTHONPATH", ""))
     env.update(extra)
     return env
 

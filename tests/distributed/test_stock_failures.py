@@ -9,22 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from support import scenarios as S
-from support import versions as V
+from support import scenarios
+from support import versions
 
 
-@pytest.fixture(scope="module")
-def two():
-    return S.launch(S.PLAN_2RANK, 2, env=S.ENV_REHEARSAL)
-
-
-@pytest.fixture(scope="module")
-def four():
-    return S.launch(S.PLAN_4RANK, 4, env=S.ENV_REHEARSAL, timeout=180, audit_collectives=False)
-
-
-def _facts(results, plan, name, kwargs=None):
-    return S.facts_of(results, S.key_of(plan, name, kwargs))
+ENV = scenarios.ENV_REHEARSAL  # the environment of the launches ``two`` and ``four`` (tests/distributed/conftest.py)
 
 
 def test_stock_layers(two, four):
@@ -33,7 +22,7 @@ def test_stock_layers(two, four):
 
 
 def test_a1_tp_plus_te_prepare_raises_mixed_tensor_dtensor(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_a1_tp_te"):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_a1_tp_te"):
         assert f["distributed_type"] == "MULTI_GPU" and f["mixed_precision"] == "fp8"
         assert f["mesh"] == {"device_type": "cpu", "dim_names": ["tp"], "shape": [2]}
         # torch's message matched by meaning (its wording changed across releases: 2.9 and 2.13 differ):
@@ -46,7 +35,7 @@ def test_a1_tp_plus_te_prepare_raises_mixed_tensor_dtensor(two):
 
 
 def test_a2_fsdp2_plus_te_runs_without_fp8(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_a2_fsdp2_te"):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_a2_fsdp2_te"):
         assert f["distributed_type"] == "FSDP" and f["is_fsdp2"] and f["mixed_precision"] == "fp8"
         assert f["prepare_error"] is None and f["all_dtensor"]
         assert f["te_modules"] == 7  # convert_model did run: 5 te.Linear + 2 te.LayerNorm
@@ -56,7 +45,7 @@ def test_a2_fsdp2_plus_te_runs_without_fp8(two):
 
 
 def test_a4_convert_model_stops_at_a_non_divisible_linear(two):
-    for f in _facts(two, S.PLAN_2RANK, "sc_a4_convert_model"):
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_a4_convert_model"):
         assert f["first"] == "transformer_engine.Linear"  # converted
         assert f["odd"] == "torch.Linear"  # 64 -> 40: skipped, correctly
         # ... but `return` instead of `continue`: every later sibling is left unconverted
@@ -68,8 +57,8 @@ def test_a4_convert_model_stops_at_a_non_divisible_linear(two):
 def test_a5_cpu_ram_efficient_loading_plain_state_dict_entries(two, kind):
     """1.13-1.15 read ``.device_mesh`` of every entry; 1.16 broadcasts plain tensors whole (a buffer loads) but
     still asks the module for ``_extra_state`` as an attribute (TE modules fail)."""
-    new = V.accelerate_at_least("1.16")
-    for f in _facts(two, S.PLAN_2RANK, "sc_a5_ram_efficient", {"kind": kind}):
+    new = versions.accelerate_at_least("1.16")
+    for f in scenarios.plan_facts(two, scenarios.PLAN_2RANK, "sc_a5_ram_efficient", {"kind": kind}):
         assert f["distributed_type"] == "FSDP" and f["is_fsdp2"]
         if new and kind == "buffer":
             assert f["prepare_error"] is None and f["mismatched_after_load"] == [], f
@@ -86,7 +75,7 @@ def test_a5_cpu_ram_efficient_loading_plain_state_dict_entries(two, kind):
 
 
 def test_a10_fsdp2_x_tp_replicate_parallel_import(four):
-    for f in _facts(four, S.PLAN_4RANK, "sc_mesh_2d"):
+    for f in scenarios.plan_facts(four, scenarios.PLAN_4RANK, "sc_mesh_2d"):
         assert f["distributed_type"] == "FSDP" and f["mesh"]["dim_names"] == ["dp_shard", "tp"]
         assert f["prepare_error"].startswith(
             "ImportError: cannot import name 'ReplicateParallel' from 'transformers.integrations.tensor_parallel'"
@@ -98,12 +87,12 @@ def test_a18_model_sharded_at_load_by_transformers_fails_in_prepare(four):
     then accelerate's prepare with the same sizes — in plain fp32, no TE involved. FSDP2 x TP stops at A10 first;
     FSDP2 alone shows A18: stock resolves the auto-wrap policy on a model whose layer classes are FSDP
     subclasses by then (fsdp2_prepare_model would have left the model as it is)."""
-    for f in _facts(four, S.PLAN_4RANK, "sc_a18_nd_loaded", {}):
+    for f in scenarios.plan_facts(four, scenarios.PLAN_4RANK, "sc_a18_nd_loaded", {}):
         loaded = f["loaded"]
-        assert loaded["all_dtensor"] and loaded["param_meshes"] == S.ND_LOADED_MESHES
+        assert loaded["all_dtensor"] and loaded["param_meshes"] == scenarios.ND_LOADED_MESHES
         assert loaded["model_type"] == "FSDPLlamaForCausalLM"
         assert f["prepare_error"].startswith("ImportError: cannot import name 'ReplicateParallel'")  # A10
-    for f in _facts(four, S.PLAN_4RANK, "sc_a18_nd_loaded", {"dp_shard": 4, "tp": 1}):
+    for f in scenarios.plan_facts(four, scenarios.PLAN_4RANK, "sc_a18_nd_loaded", {"dp_shard": 4, "tp": 1}):
         assert f["loaded"]["model_type"] == "FSDPLlamaForCausalLM" and f["loaded"]["all_dtensor"]
         assert f["prepare_error"] == "ValueError: Could not find the transformer layer class LlamaDecoderLayer in the model."
 
@@ -112,7 +101,7 @@ def test_a6_full_state_dict_load_with_tp_sharded_params(four):
     """Rank 0 broadcasts its *local* TP shard, the other ranks receive into global-shape buffers (gloo does
     not notice); rank 0 then fails in load_state_dict with a size mismatch, the others load wrong values."""
     facts = four
-    key = S.key_of(S.PLAN_4RANK, "sc_a6_tp_full_sd")
+    key = scenarios.key_of(scenarios.PLAN_4RANK, "sc_a6_tp_full_sd")
     rank0 = facts[0][key]
     assert "scenario_error" not in rank0, rank0
     assert rank0["shard_error"] is None

@@ -20,8 +20,8 @@ import os
 
 import pytest
 
-from support import scenarios as S
-from support import tp_checkpoint_scenarios as C
+from support import scenarios
+from support import tp_checkpoint_scenarios
 
 FAMILIES = ("llama", "qwen3", "phi3", "gemma3", "qwen3_moe")
 
@@ -42,12 +42,12 @@ def _two_rank_plan(out):
 @pytest.fixture(scope="module")
 def two(ckpt_dir):
     plan = _two_rank_plan(ckpt_dir)
-    return plan, C.launch(plan, 2)
+    return plan, scenarios.launch(tp_checkpoint_scenarios, plan, 2)
 
 
 def _f(launched, name, kwargs):
     plan, results = launched
-    return S.facts_of(results, S.key_of(plan, name, kwargs))
+    return scenarios.facts_of(results, scenarios.key_of(plan, name, kwargs))
 
 
 # saved on 4 ranks under one layout, resumed under others (same launch: saves come first)
@@ -61,14 +61,14 @@ def four(ckpt_dir, two):
     plan = [("sc_ckpt_save", {"out_dir": ckpt_dir, "tag": tag, "layout": layout, "export": False})
             for tag, layout in SAVES_4.items()]
     plan += [("sc_ckpt_resume", {"out_dir": ckpt_dir, "tag": tag, "layout": layout}) for tag, layout in RESUMES_4]
-    return plan, C.launch(plan, 4)
+    return plan, scenarios.launch(tp_checkpoint_scenarios, plan, 4)
 
 
 def test_stock_tp_save_state_and_save_model_fail_on_dtensor_storage(tmp_path):
     """The reproduction (A21): bf16 TP on stock accelerate (FP8 TP stops earlier there, at prepare: A1)."""
     out = str(tmp_path)
     plan = [("sc_ckpt_save", {"out_dir": out, "tag": "stock", "precision": "no"})]
-    for f in S.facts_of(C.launch(plan, 2, env=S.ENV_REHEARSAL), "sc_ckpt_save"):
+    for f in scenarios.facts_of(scenarios.launch(tp_checkpoint_scenarios, plan, 2, env=scenarios.ENV_REHEARSAL), "sc_ckpt_save"):
         for key in ("save_error", "export_error"):
             assert f[key] == "RuntimeError: Attempted to access the data pointer on an invalid python storage.", f
 
@@ -116,7 +116,7 @@ def test_tp_save_model_is_a_plain_transformers_model_without_fp8_state(two, tag)
 # torch 2.11's DTensor cannot gather a `_StridedShard(dim=1, sf=2)` on a 1-D mesh ("use_strided_shard_as_shard_order
 # is True, but placements ... unable to be interpreted into a corresponding shard_order"): Qwen3-MoE's TP-packed
 # experts under pure TP have no full tensor there, so save_model cannot export them (docs/compatibility.md).
-MOE_EXPORT_ON_OLD_TORCH = pytest.mark.xfail(S.torch_below(12), strict=True, raises=AssertionError,
+MOE_EXPORT_ON_OLD_TORCH = pytest.mark.xfail(scenarios.torch_below(12), strict=True, raises=AssertionError,
                                             reason="torch < 2.12: DTensor cannot gather TP-packed (_StridedShard) "
                                                    "expert weights on a 1-D mesh")
 
@@ -156,13 +156,13 @@ RESUME_TOLERANCE = 1e-2
 @pytest.mark.parametrize("tag,layout", RESUMES_4, ids=[f"{t}->{l}" for t, l in RESUMES_4])
 def test_resume_across_layouts_is_bit_for_bit_and_continues_the_trajectory(ckpt_dir, two, four, tag, layout):
     plan, results = four
-    resumed = S.facts_of(results, S.key_of(plan, "sc_ckpt_resume", {"out_dir": ckpt_dir, "tag": tag, "layout": layout}))
+    resumed = scenarios.facts_of(results, scenarios.key_of(plan, "sc_ckpt_resume", {"out_dir": ckpt_dir, "tag": tag, "layout": layout}))
     if tag == "tp2":
         saved = _f(two, "sc_ckpt_save", {"out_dir": ckpt_dir, "tag": "tp2"})
     else:
-        saved = S.facts_of(results, S.key_of(plan, "sc_ckpt_save", {"out_dir": ckpt_dir, "tag": tag, "layout": SAVES_4[tag],
+        saved = scenarios.facts_of(results, scenarios.key_of(plan, "sc_ckpt_save", {"out_dir": ckpt_dir, "tag": tag, "layout": SAVES_4[tag],
                                                                      "export": False}))
-    for f in S.facts_of(results, "sc_ckpt_save"):
+    for f in scenarios.facts_of(results, "sc_ckpt_save"):
         assert f["save_error"] is None, f["save_error"]
     for r in resumed:
         assert r["load_error"] is None, r["load_error"]

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pytest
 
-from support import scenarios as S
-from support import tp_packed_scenarios as P
+from support import scenarios
+from support import tp_packed_scenarios
 
-PACKED = P.PACKED
+PACKED = tp_packed_scenarios.PACKED
 # FP8 resolution: the layouts differ in TP-local GEMMs and TE's FSDP2 weight path
 RESUME_TOLERANCE = 1e-2
 
@@ -50,24 +50,24 @@ def _resume_kw(out, tag, layout, precision):
 @pytest.fixture(scope="module")
 def two(ckpt_dir):
     plan = _two_plan(ckpt_dir)
-    return plan, P.launch(plan, 2)
+    return plan, scenarios.launch(tp_packed_scenarios, plan, 2)
 
 
 @pytest.fixture(scope="module")
 def four(ckpt_dir, two):
     plan = _four_plan(ckpt_dir)
-    return plan, P.launch(plan, 4)
+    return plan, scenarios.launch(tp_packed_scenarios, plan, 4)
 
 
 @pytest.fixture(scope="module")
 def two_after(ckpt_dir, four):
     plan = [("sc_packed_resume", _resume_kw(ckpt_dir, t, l, p)) for t, l, p in RESUMES_2_AFTER]
-    return plan, P.launch(plan, 2)
+    return plan, scenarios.launch(tp_packed_scenarios, plan, 2)
 
 
 def _f(launched, name, kwargs=None):
     plan, results = launched
-    return S.facts_of(results, S.key_of(plan, name, kwargs))
+    return scenarios.facts_of(results, scenarios.key_of(plan, name, kwargs))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -5,18 +5,18 @@ One 4-rank launch (tests/support/trainer_scenarios.py)."""
 
 import pytest
 
-from support import scenarios as S
-from support import trainer_scenarios as T
+from support import scenarios
+from support import trainer_scenarios
 
 
 @pytest.fixture(scope="module")
 def launched():
-    return T.launch()
+    return scenarios.launch(trainer_scenarios, trainer_scenarios.PLAN, 4)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_tp_loaded"])
 def test_trainer_trains_in_fp8_like_the_single_process_reference(launched, layout):
-    facts = S.facts_of(launched, S.key_of(T.PLAN, "sc_trainer", {"layout": layout}))
+    facts = scenarios.facts_of(launched, scenarios.key_of(trainer_scenarios.PLAN, "sc_trainer", {"layout": layout}))
     for f in facts:
         assert f["distributed_type"] == "FSDP" and f["mixed_precision"] == "fp8"
         if layout == "fsdp2_tp_loaded":
@@ -24,7 +24,7 @@ def test_trainer_trains_in_fp8_like_the_single_process_reference(launched, layou
         # every Linear but lm_head converted after sharding, FP8 on, the model Trainer trains is the prepared one
         assert len(f["converted"]) == 14 and f["skipped"] == ["lm_head"]
         assert f["fp8_enabled"] and f["prepared_is_trained"] and f["te_modules_fp8"] == [True]
-        assert f["fp8_gemms_fwd"] == len(f["converted"]) * T.STEPS and f["amax_reductions"] > 0
+        assert f["fp8_gemms_fwd"] == len(f["converted"]) * trainer_scenarios.STEPS and f["amax_reductions"] > 0
         assert f["amax_group_ranks"] == [0, 1, 2, 3]
         assert f["epochs"] == [1.0, 2.0, 3.0]  # each step took the whole data set: the reference's full batch
         # FSDP2 from the config computes in bf16 (accelerate's FSDP2 policy for fp8): losses within bf16
@@ -33,13 +33,13 @@ def test_trainer_trains_in_fp8_like_the_single_process_reference(launched, layou
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=rel0)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
         # the clipped grad norm (before clipping, as Trainer logs it; CLIP acts at every step)
-        assert min(f["reference_grad_norms"]) > T.CLIP
+        assert min(f["reference_grad_norms"]) > trainer_scenarios.CLIP
         assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=3e-2)
     assert len({tuple(f["losses"]) for f in facts}) == 1  # every rank logs the same mean
 
 
 def test_use_cpu_with_an_fsdp2_config_warns_naming_what_is_dropped(launched):
-    facts = S.facts_of(launched, "sc_trainer_use_cpu")
+    facts = scenarios.facts_of(launched, "sc_trainer_use_cpu")
     for rank, f in enumerate(facts):
         assert f["distributed_type"] == "MULTI_CPU" and not f["is_fsdp2"] and not f["fixes_prepare"]
         assert len(f["warnings"]) == (1 if rank == 0 else 0), f["warnings"]  # one voice: rank 0

@@ -8,21 +8,18 @@ Asserted: compiled losses equal the uncompiled ones every step (FP8 rounding and
 the same number of TE GEMMs, all FP8, in both runs (TE's modules run eagerly behind dynamo's graph breaks). The
 median step times after warm-up are recorded as test properties (``-rP`` / junit) — what compile buys on the GPU.
 
-Skipped without CUDA, real TE or FP8 support (tests/gpu/_real_te.py says why).
+Skipped without CUDA, real TE or FP8 support (tests/support/real_te.py says why).
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _real_te import GemmSpy, reset_accelerate, single_rank_process_group, torch  # noqa: E402
+from support.real_te import GemmSpy, reset_accelerate, single_rank_process_group, torch  # noqa: E402
 
 VOCAB, TOKENS, STEPS, WARMUP = 256, (2, 64), 8, 3
 RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}

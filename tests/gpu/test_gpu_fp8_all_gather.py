@@ -3,37 +3,25 @@ Engine: one CUDA GPU, world size 1 (FSDP2's all-gather is a local copy, its exte
 
 What the CPU rehearsal cannot prove: TE's CUDA cast of the shard, TE's cuBLAS FP8 GEMM on a Float8Tensor weight
 built from gathered bytes (Hopper: the transpose TE derives for dgrad; Blackwell: none), and the losses against the
-switch-off run. Skipped without CUDA, real TE or FP8 support (tests/gpu/_real_te.py says why).
+switch-off run. Skipped without CUDA, real TE or FP8 support (tests/support/real_te.py says why).
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _real_te import GemmSpy, reset_accelerate, single_rank_process_group, te, torch  # noqa: E402
+from support.real_te import GemmSpy, reset_accelerate, single_rank_process_group, te, torch  # noqa: E402
 
 from torch import nn  # noqa: E402
+
+from support.toy_models import Block  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def single_rank():
     yield from single_rank_process_group()
-
-
-class Block(nn.Module):
-    def __init__(self, dim=256):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.fc2 = nn.Linear(2 * dim, dim)
-
-    def forward(self, x):
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
 
 
 def _train(all_gather: str, recipe: str, steps: int = 4, post_optim_event: bool = False):
@@ -50,7 +38,7 @@ def _train(all_gather: str, recipe: str, steps: int = 4, post_optim_event: bool 
                                                 transformer_cls_names_to_wrap=["Block"])
         acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[handler])
         torch.manual_seed(0)
-        model = nn.Sequential(Block(), Block(), nn.Linear(256, 64)).cuda()
+        model = nn.Sequential(Block(256, 512), Block(256, 512), nn.Linear(256, 64)).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
         g = torch.Generator(device="cuda").manual_seed(3)

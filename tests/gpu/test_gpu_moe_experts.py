@@ -3,18 +3,15 @@ through accelerate's FSDP2 ``prepare`` with the fixes active.
 
 What the CPU rehearsal cannot prove: TE's CUDA ``split_quantize`` and cuBLAS grouped GEMM (``te_general_grouped_gemm``)
 on per-expert views of the 3-D parameters, the FP8 padding of each expert's rows, and the training loss against
-the bf16 run. Skipped without CUDA, real TE or FP8 support (tests/gpu/_real_te.py says why).
+the bf16 run. Skipped without CUDA, real TE or FP8 support (tests/support/real_te.py says why).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _real_te import GemmSpy, reset_accelerate, single_rank_process_group, torch  # noqa: E402
+from support.real_te import GemmSpy, reset_accelerate, single_rank_process_group, torch  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -74,35 +74,17 @@ if not _FP8_OK:
     pytest.skip(f"this GPU cannot run Transformer Engine FP8: {_FP8_WHY}", allow_module_level=True)
 
 from torch import nn  # noqa: E402
+
+from support.toy_models import BlockStack  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 DIM, HIDDEN, TOKENS = 128, 256, 32  # every GEMM dim a multiple of 16, tokens a multiple of 16
 RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
 
 
-class Block(nn.Module):
-    """Pre-norm MLP block (the FSDP2 wrap unit, found by class name)."""
-
-    def __init__(self, dim=DIM, hidden=HIDDEN):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self, depth=2):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
-        self.head = nn.Linear(DIM, DIM)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def _stack():
+    """Two pre-norm MLP blocks (``Block``: the FSDP2 wrap unit, found by class name) and a head."""
+    return BlockStack(DIM, HIDDEN, 2, DIM)
 
 
 class MLP(nn.Module):
@@ -187,7 +169,7 @@ def test_fsdp2_prepare_converts_after_sharding_and_trains_in_fp8(single_rank):
     assert acc.device.type == "cuda"
 
     torch.manual_seed(0)
-    model = Stack().to(acc.device)
+    model = _stack().to(acc.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
 

@@ -10,47 +10,27 @@
 * Token counts: which per-rank token counts TE's FP8 GEMMs accept and which they refuse, against the
   package's rule (``accel_fp8_fix.fixes.fp8_shapes``: a multiple of 8) and its own check's message.
 
-Skipped without CUDA, real TE or FP8 support (tests/gpu/_real_te.py says why).
+Skipped without CUDA, real TE or FP8 support (tests/support/real_te.py says why).
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _real_te import GemmSpy, reset_accelerate, single_rank_process_group, te, torch  # noqa: E402
+from support.real_te import GemmSpy, reset_accelerate, single_rank_process_group, te, torch  # noqa: E402
 
 from torch import nn  # noqa: E402
+
+from support.toy_models import BlockStack  # noqa: E402
 
 DIM, HIDDEN, TOKENS = 128, 256, 32
 RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(DIM, DIM)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def _stack():
+    return BlockStack(DIM, HIDDEN, 2, DIM)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +73,7 @@ def test_fp8_state_survives_save_state_and_load_state_without_unsafe_pickle(sing
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ
     acc = _accelerator()
     torch.manual_seed(0)
-    model = Stack().cuda()
+    model = _stack().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     _train(acc, model, opt, 3)
@@ -109,7 +89,7 @@ def test_fp8_state_survives_save_state_and_load_state_without_unsafe_pickle(sing
 
     acc = _accelerator()
     torch.manual_seed(123)  # another init: everything must come from the checkpoint
-    fresh = Stack().cuda()
+    fresh = _stack().cuda()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     fresh, fresh_opt = acc.prepare(fresh, fresh_opt)
     acc.load_state(str(tmp_path / "ckpt"))
@@ -197,7 +177,7 @@ def test_every_te_gemm_of_a_training_step_is_fp8_and_cublas_runs_fp8_kernels(sin
 
     acc = _accelerator()
     torch.manual_seed(0)
-    model = Stack().cuda()
+    model = _stack().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     _train(acc, model, opt, 1)

@@ -24,9 +24,9 @@ import sys
 
 import pytest
 
-from support import fp8_scenarios as F
-from support import scenarios as S
-from support import versions as V
+from support import fp8_scenarios
+from support import scenarios
+from support import versions
 
 # The newest release of each minor line of the window other than the venv's (`pip index versions accelerate`:
 # 1.13.0 and 1.14.0 have no patch releases). test_the_newest_release_of_every_claimed_line_is_tested watches
@@ -43,12 +43,12 @@ def version(request):
 
 @pytest.fixture(scope="module")
 def version_dir(version):
-    return V.require(version)
+    return versions.require(version)
 
 
 @pytest.fixture(scope="module")
 def probe(version_dir):
-    return V.run_probe(version_dir)
+    return versions.run_probe(version_dir)
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +61,13 @@ def fixed(version, version_dir, tmp_path_factory):
         ("sc_checkpoint_load", {"out_dir": out_dir}),
         ("sc_a5_ram_efficient", {"kind": "te"}),
     ]
-    return V.launch(plan, version_dir, S.ENV_FIXED)
+    return versions.launch(plan, version_dir, scenarios.ENV_FIXED)
 
 
 @pytest.fixture(scope="module")
 def stock(version_dir):
     plan = [("sc_accelerate_version", {}), ("sc_a2_fsdp2_te", {}), ("sc_a5_ram_efficient", {"kind": "te"})]
-    return V.launch(plan, version_dir, S.ENV_REHEARSAL)
+    return versions.launch(plan, version_dir, scenarios.ENV_REHEARSAL)
 
 
 # -- static ---------------------------------------------------------------------------------------------------
@@ -104,37 +104,37 @@ def test_workers_ran_that_accelerate_with_the_expected_layers(version, version_d
 
 
 def test_fsdp2_fp8_training_converts_after_sharding_with_fp8_on(fixed):
-    for f in S.facts_of(fixed, "sc_fsdp2_fp8_train"):
+    for f in scenarios.facts_of(fixed, "sc_fsdp2_fp8_train"):
         assert f["converted"] == ["head", "blocks.0.norm", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.norm",
                                   "blocks.1.fc1", "blocks.1.fc2"]
         assert f["skipped"] == []
         assert f["params_are_dtensors"] and f["optimizer_holds_model_params"]
         assert f["fp8_enabled"]
-        F.check_fp8_gemms(f)
+        fp8_scenarios.check_fp8_gemms(f)
 
 
 def test_fsdp2_fp8_amax_reduction_and_state_agree_every_step(fixed):
-    for f in S.facts_of(fixed, "sc_fsdp2_fp8_train"):
+    for f in scenarios.facts_of(fixed, "sc_fsdp2_fp8_train"):
         assert f["amax_group_ranks"] == f["mesh_ranks"] == [0, 1]
         assert f["fp8_group_is_amax_group"]
-        assert f["amax_reductions"] == 2 * F.STEPS
+        assert f["amax_reductions"] == 2 * fp8_scenarios.STEPS
         assert f["registered"] == ["amax_history", "scale"] and f["buffers_visible"]
-        assert f["fp8_state_identical_every_step"] == [True] * F.STEPS
+        assert f["fp8_state_identical_every_step"] == [True] * fp8_scenarios.STEPS
         assert f["scales_moved"]
 
 
 def test_fsdp2_fp8_losses_match_the_single_process_reference(fixed):
-    facts = S.facts_of(fixed, "sc_fsdp2_fp8_train")
+    facts = scenarios.facts_of(fixed, "sc_fsdp2_fp8_train")
     reference = facts[0]["reference"]
     for f in facts:
-        F.check_losses(f, reference)
+        fp8_scenarios.check_losses(f, reference)
     assert reference[-1] < 0.8 * reference[0]  # it trains
 
 
 def test_checkpoint_round_trip_restores_weights_and_fp8_state(fixed):
-    keys = S.facts_of(fixed, "sc_checkpoint_save")[0]["keys"]
+    keys = scenarios.facts_of(fixed, "sc_checkpoint_save")[0]["keys"]
     assert any(k.endswith("_extra_state") for k in keys) and any(k.endswith("fc1.weight") for k in keys)
-    for f in S.facts_of(fixed, "sc_checkpoint_load"):
+    for f in scenarios.facts_of(fixed, "sc_checkpoint_load"):
         assert f["missing"] == [] and f["mismatched"] == []
         assert f["extra_state_keys"] == 7 and f["nonempty_extra_state"] == 5  # +2 empty: converted te.LayerNorms
         assert f["fp8_state_identical"] and f["fp8_compared"] == 20 and f["fp8_mismatched"] == []
@@ -142,16 +142,16 @@ def test_checkpoint_round_trip_restores_weights_and_fp8_state(fixed):
 
 
 def test_cpu_ram_efficient_loading_with_te_modules(fixed, stock):
-    for f in S.facts_of(fixed, "sc_a5_ram_efficient"):
+    for f in scenarios.facts_of(fixed, "sc_a5_ram_efficient"):
         assert f["distributed_type"] == "FSDP" and f["is_fsdp2"] and f["mixed_precision"] == "fp8"
         assert f["prepare_error"] is None and f["all_dtensor"] and f["mismatched_after_load"] == []
-    for f in S.facts_of(stock, "sc_a5_ram_efficient"):  # stock: A5
+    for f in scenarios.facts_of(stock, "sc_a5_ram_efficient"):  # stock: A5
         assert f["prepare_error"] == "AttributeError: 'Tensor' object has no attribute 'device_mesh'"
         assert f["plain_state_dict_entries"] and all(k.endswith("._extra_state") for k in f["plain_state_dict_entries"])
 
 
 def test_stock_fsdp2_plus_te_runs_without_fp8(stock):
-    for f in S.facts_of(stock, "sc_a2_fsdp2_te"):
+    for f in scenarios.facts_of(stock, "sc_a2_fsdp2_te"):
         assert f["distributed_type"] == "FSDP" and f["is_fsdp2"] and f["mixed_precision"] == "fp8"
         assert f["prepare_error"] is None and f["all_dtensor"]
         assert f["te_modules"] == 7

@@ -26,9 +26,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from gpu_kit import build, kit, plan  # noqa: E402
+from gpu_kit import build, kit, plan
 
 
 def _kit_missing(reason: str):

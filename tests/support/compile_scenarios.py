@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from . import scenarios as S
+from . import scenarios
 
 VOCAB = 128
 TOKENS = (2, 8)  # 16 tokens per rank: a multiple of 8, as TE's FP8 GEMMs need
@@ -33,10 +33,10 @@ def sc_fsdp2_fp8_compile(rank, world_size, backend="INDUCTOR", steps=3, lr=1e-3)
 
     from torch._dynamo.utils import counters
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     counters.clear()  # dynamo's counters are per process: count this scenario's compilation only
     os.environ["ACCELERATE_DYNAMO_BACKEND"] = backend  # what dynamo_config: {dynamo_backend: ...} launches with
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Qwen2DecoderLayer"],
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Qwen2DecoderLayer"],
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
     facts = {"dynamo_backend": str(acc.state.dynamo_plugin.backend), "error": None, "losses": [], "step_s": []}
@@ -48,7 +48,7 @@ def sc_fsdp2_fp8_compile(rank, world_size, backend="INDUCTOR", steps=3, lr=1e-3)
         model, opt = acc.prepare(model, opt)
         facts["compiled"] = type(model).__name__
         facts["fp8_enabled"] = acc.accel_fp8_fix.fp8_enabled
-        S.te_reset()
+        scenarios.te_reset()
         recorder = _audit_recorder()
         audited_before = len(recorder.records) if recorder is not None else None
         for ids in batches:
@@ -64,12 +64,12 @@ def sc_fsdp2_fp8_compile(rank, world_size, backend="INDUCTOR", steps=3, lr=1e-3)
         # collectives the collective-order audit saw during the steps (None: no audit in this launch)
         facts["audited_collectives"] = len(recorder.records) - audited_before if recorder is not None else None
     except Exception as exc:  # noqa: BLE001
-        facts["error"] = S.err(exc)
+        facts["error"] = scenarios.err(exc)
         facts["error_type"] = type(exc).__name__
         import traceback
 
         facts["traceback"] = traceback.format_exc().splitlines()[-60:]
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
 
     facts["dynamo"] = {"graphs": counters["stats"].get("unique_graphs", 0),
                        "frames_ok": counters["frames"].get("ok", 0), "frames_total": counters["frames"].get("total", 0),
@@ -93,15 +93,8 @@ def _audit_recorder():
     return collective_order._installed.get("recorder")
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan, world_size, env=None, timeout=240.0, audit_collectives=True):
-    """Launched with the collective-order audit: its recorder declares ``ignore_compile_internals`` (before, its
-    ``TorchDispatchMode`` made dynamo skip every frame — "non-infra torch dispatch mode present",
-    torch/_dynamo/convert_frame.py — so nothing compiled under it)."""
-    return S.launch(plan, world_size, env=env or S.ENV_FIXED, timeout=timeout, collective_timeout=120, suite_fn=suite,
-                    audit_collectives=audit_collectives)
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+# Launched with the collective-order audit: its recorder declares ``ignore_compile_internals`` (before, its
+# ``TorchDispatchMode`` made dynamo skip every frame — "non-infra torch dispatch mode present",
+# torch/_dynamo/convert_frame.py — so nothing compiled under it).
+LAUNCH = {"env": scenarios.ENV_FIXED, "timeout": 240.0, "collective_timeout": 120.0}

@@ -14,18 +14,22 @@ import os
 import sys
 import traceback
 
-from . import fp8_scenarios as F
-from . import scenarios as S
+from . import fp8_scenarios
+from . import scenarios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED_ERRORS = ("does not have a sharding strategy registered", "found no DeviceMesh from dtensor args")
 
 
 def _demo():
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import demo
+    """examples/demo.py (a script, not on any path), imported from its file once per rank."""
+    import importlib.util
 
-    return demo
+    if "demo" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("demo", os.path.join(ROOT, "examples", "demo.py"))
+        sys.modules["demo"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["demo"])
+    return sys.modules["demo"]
 
 
 def _error_facts(exc: BaseException) -> dict:
@@ -48,7 +52,7 @@ def _catch(fn) -> dict | None:
 
 
 def _demo_accelerator():
-    return S.make_accelerator(fsdp=True, dp_shard=2, tp=2, mixed_precision="fp8", fp8_recipe=F.RECIPE,
+    return scenarios.make_accelerator(fsdp=True, dp_shard=2, tp=2, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
                               wrap_cls=["LlamaDecoderLayer"])
 
 
@@ -88,11 +92,11 @@ def sc_demo_audit(rank, world_size):
 
     import accel_fp8_fix
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     demo = _demo()
     acc = _demo_accelerator()
     mesh = acc.torch_device_mesh
-    model = S.shard_llama_tp(demo.build_model(), mesh["tp"])  # TP by the test, then accelerate's FSDP2
+    model = scenarios.shard_llama_tp(demo.build_model(), mesh["tp"])  # TP by the test, then accelerate's FSDP2
     linears = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     expected_share = sum(v for n, v in linears.items() if n != "lm_head") / sum(linears.values())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -124,12 +128,12 @@ def sc_demo_audit(rank, world_size):
         "linears": len(linears),
     }
     # one training step: the FP8 GEMMs TE really ran = the audit's FP8 GEMMs per step
-    S.te_reset()
+    scenarios.te_reset()
     loss = model(**_batch(mesh)).loss
     acc.backward(loss)
     opt.step()
     opt.zero_grad()
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
     facts["measured_fp8_gemms"] = stats["fp8_gemms_fwd"] + stats["fp8_gemms_bwd"]
     facts["measured_high_precision_te_gemms"] = stats["non_fp8_gemms_fwd"]
 
@@ -160,11 +164,11 @@ def sc_user_hook_errors(rank, world_size):
     dist.broadcast."""
     import torch
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     demo = _demo()
     acc = _demo_accelerator()
     mesh = acc.torch_device_mesh
-    model = S.shard_llama_tp(demo.build_model(), mesh["tp"])  # TP by the test, then accelerate's FSDP2
+    model = scenarios.shard_llama_tp(demo.build_model(), mesh["tp"])  # TP by the test, then accelerate's FSDP2
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     weight = model.get_submodule("model.layers.0.self_attn.q_proj").weight
@@ -309,12 +313,12 @@ def sc_stock_errors_explained(rank, world_size):
 
     from accel_fp8_fix.diagnostics import explain_errors
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=False, tp=world_size, mixed_precision="fp8", expect="MULTI_GPU")
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=False, tp=world_size, mixed_precision="fp8", expect="MULTI_GPU")
     mesh = acc.torch_device_mesh
-    model = S.shard_llama_tp(S.tiny_llama(), mesh["tp"])
+    model = scenarios.shard_llama_tp(scenarios.tiny_llama(), mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    facts = {"fixes_active": S.fixes_active()}
+    facts = {"fixes_active": scenarios.fixes_active()}
 
     def prepare():
         with explain_errors(model, "Accelerator.prepare"):
@@ -344,16 +348,16 @@ def sc_stock_a2_audit(rank, world_size):
 
     import accel_fp8_fix
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"])
-    model = S.block_stack()
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"])
+    model = scenarios.block_stack()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
-    S.te_reset()
-    x, y = S.dense_batch()
+    scenarios.te_reset()
+    x, y = scenarios.dense_batch()
     # the loss in fp32: torch 2.11's mse_loss backward returns an fp32 gradient for a bf16 input and a fp32 target
     torch.nn.functional.mse_loss(model(x).float(), y).backward()
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
     report = accel_fp8_fix.audit(model)
     return {
         "summary": report.summary,
@@ -367,13 +371,8 @@ def sc_stock_a2_audit(rank, world_size):
     }
 
 
-def suite(rank, world_size, plan):
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
 PLAN_FIXED_4 = [("sc_demo_audit", {}), ("sc_user_hook_errors", {}), ("sc_public_collectives", {"shape": [2, 2]})]
 PLAN_STOCK_2 = [("sc_stock_errors_explained", {}), ("sc_stock_a2_audit", {}), ("sc_public_collectives", {"shape": [2]})]
 
-
-def launch(plan, world_size, env):
-    return S.launch(plan, world_size, env=env, timeout=400, collective_timeout=90, suite_fn=suite)
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {"timeout": 400.0, "collective_timeout": 90.0}

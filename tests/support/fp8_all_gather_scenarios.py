@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from . import scenarios as S
+from . import scenarios
 
 STEPS = 4
 LR = 0.05
@@ -38,15 +38,10 @@ def _te_recipe(kind):
                                     reduce_amax=False)
 
 
-def _sibling(name):
-    """A sibling scenario module of tests/support/."""
-    import importlib
-
-    return importlib.import_module(f"{__package__}.{name}")
-
-
 def _reset_te():
-    _sibling("fp8_scenarios").reset_te_global_state()
+    from . import fp8_scenarios
+
+    fp8_scenarios.reset_te_global_state()
 
 
 def _mse_of(dim, out=16, rows=GLOBAL_BATCH):
@@ -65,10 +60,10 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     import torch
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes import fp8_all_gather as AG
+    from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
     from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
-    from accel_fp8_fix.internals import transformer_engine as TI
+    from accel_fp8_fix.internals import transformer_engine as te_internals
 
     model = build()
     convert_after_sharding(model, te, exclude=exclude)
@@ -77,16 +72,16 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
         if hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True
     recipe = _te_recipe(kind)
-    params = AG.scale_params(recipe)
+    params = fp8_all_gather_fix.scale_params(recipe)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
     for _ in range(steps):
         masters = [m.weight for m in linears]
         leaves = []
         if masters:
-            scales = AG.scales_from_amaxes(torch.stack([w.detach().abs().amax().float() for w in masters]), params)
+            scales = fp8_all_gather_fix.scales_from_amaxes(torch.stack([w.detach().abs().amax().float() for w in masters]), params)
             for m, w, scale in zip(linears, masters, scales):
-                q = TI.float8_quantizer(scale.reshape(1).clone(), params.fp8_dtype)(w.detach())
+                q = te_internals.float8_quantizer(scale.reshape(1).clone(), params.fp8_dtype)(w.detach())
                 q.requires_grad_(True)
                 m._parameters["weight"] = q
                 leaves.append(q)
@@ -104,34 +99,15 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     return losses, norms
 
 
-def linear_stack(dim=S.DIM, depth=2, out=16, seed=0):
+def linear_stack(dim=scenarios.DIM, depth=2, out=16, seed=0):
     """Blocks of two bias-free Linears (GELU between) and a bias-free head: every parameter FSDP2 gathers is a
     converted weight, so the all-gathered bytes divide by converted parameters exactly."""
     import torch
-    from torch import nn
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(dim, 2 * dim, bias=False)
-            self.fc2 = nn.Linear(2 * dim, dim, bias=False)
-
-        def forward(self, x):
-            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(depth))
-            self.head = nn.Linear(dim, out, bias=False)
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x)
+    from . import toy_models
 
     torch.manual_seed(seed)
-    return Stack()
+    return toy_models.BlockStack(dim, 2 * dim, depth, out, norm=False, bias=False)
 
 
 def _digest(acc, net):
@@ -166,10 +142,10 @@ def _peak_probe(model, te_mods):
 def _model_for(kind_of_model, dim, depth, out=16):
     if kind_of_model == "linear_stack":
         return lambda: linear_stack(dim=dim, depth=depth, out=out)
-    return lambda: S.block_stack(dim=dim, hidden=2 * dim, depth=depth, seed=0)
+    return lambda: scenarios.block_stack(dim=dim, hidden=2 * dim, depth=depth, seed=0)
 
 
-def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, model="block_stack", dim=S.DIM,
+def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, model="block_stack", dim=scenarios.DIM,
              depth=2, policy="fp32", reshard=True, dp_replicate=None, dp_shard=None, reference=True, save_dir=None,
              load_dir=None, out=16, global_batch=GLOBAL_BATCH, bits=False, modify=None):
     """FSDP2 + FP8 with ``ACCELERATE_FP8_ALL_GATHER=all_gather``: losses and clipped grad norms per step (and the
@@ -187,8 +163,8 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
 
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
-    S.ensure_rehearsal(True)
-    global_batch = S.fp8_rows(global_batch, world_size)
+    scenarios.ensure_rehearsal(True)
+    global_batch = scenarios.fp8_rows(global_batch, world_size)
     os.environ[ALL_GATHER_ENV] = all_gather
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[policy]
     build = _model_for(model, dim, depth, out)
@@ -196,7 +172,7 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     fp8_weights = all_gather == "fp8" and recipe != "block"
     ref = _reference(build, recipe, steps, _mse_of(dim, out, global_batch), fp8_weights=fp8_weights) if reference \
         else (None, None)
-    acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
+    acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
                              wrap_cls=["Block"], fp8_recipe=RECIPES[recipe], reshard_after_forward=reshard,
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     net = build()
@@ -221,7 +197,7 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     probe = _BitsProbe(net, te_mods, setup) if bits and ag is not None else None
     metadata = _MetadataProbe(net, ag) if ag is not None else None
     hooks_audit = _HookAudit()
-    S.te_reset()
+    scenarios.te_reset()
     losses, norms, per_step = [], [], []
     for step in range(steps):
         if probe is not None:
@@ -252,7 +228,7 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
             _modify_weight(net, ag, modify)
     for h in handles:
         h.remove()
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
     local_types = sorted({type(p.to_local()).__name__ if hasattr(p, "to_local") else type(p).__name__
                           for p in net.parameters()})
     sd = net.state_dict()
@@ -310,30 +286,30 @@ class _BitsProbe:
                         for n, m in self.modules.items()]
 
     def expect(self):
-        from accel_fp8_fix.fixes import fp8_all_gather as AG
-        from accel_fp8_fix.internals import transformer_engine as TI
+        from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+        from accel_fp8_fix.internals import transformer_engine as te_internals
 
         self.steps += 1
         recipe = self.setup.recipe
         for name, module in self.modules.items():
             full = module.weight.full_tensor().detach()
             if self.setup.all_gather.kind == "block":
-                self.expected[name] = TI.block_rowwise(TI.float8_block_weight_quantizer(recipe)(full))
+                self.expected[name] = te_internals.block_rowwise(te_internals.float8_block_weight_quantizer(recipe)(full))
             else:
-                params = AG.scale_params(recipe)
-                scale = AG.scales_from_amaxes(full.abs().amax().float().reshape(1), params)
-                self.expected[name] = TI.float8_rowwise(TI.float8_quantizer(scale, params.fp8_dtype)(full))
+                params = fp8_all_gather_fix.scale_params(recipe)
+                scale = fp8_all_gather_fix.scales_from_amaxes(full.abs().amax().float().reshape(1), params)
+                self.expected[name] = te_internals.float8_rowwise(te_internals.float8_quantizer(scale, params.fp8_dtype)(full))
 
     def _check(self, mod, args, name):
         import torch
 
-        from accel_fp8_fix.internals import transformer_engine as TI
+        from accel_fp8_fix.internals import transformer_engine as te_internals
 
         want = self.expected.pop(name, None)
         if want is None:  # a later forward of the same step (recompute): checked once a step
             return
         weight = mod._parameters["weight"]
-        got = TI.block_rowwise(weight) if self.setup.all_gather.kind == "block" else TI.float8_rowwise(weight)
+        got = te_internals.block_rowwise(weight) if self.setup.all_gather.kind == "block" else te_internals.float8_rowwise(weight)
         ok = all(torch.equal(g.reshape(w.shape), w) for g, w in zip(got, want))
         self.seen.setdefault(name, []).append(ok)
 
@@ -440,32 +416,32 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    Z = _sibling("zoo_scenarios")
-    F = _sibling("fp8_scenarios")
+    from . import fp8_scenarios, zoo_scenarios
+
     if dp_shard is None and dp_replicate is None and tp is None and world_size > 1:
         dp_shard = world_size  # (one rank: FSDP2 without a ParallelismConfig, as a single-GPU script has it)
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     os.environ[ALL_GATHER_ENV] = all_gather
-    ref = _reference(lambda: Z.build(family), recipe, steps, lambda m: m(**Z.batch()).loss, exclude=("lm_head",),
+    ref = _reference(lambda: zoo_scenarios.build(family), recipe, steps, lambda m: m(**zoo_scenarios.batch()).loss, exclude=("lm_head",),
                      fp8_weights=all_gather == "fp8")
 
     def prepared(seed):
-        acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
-                                 fp8_recipe=F.RECIPE if recipe == "delayed" else RECIPES[recipe],
-                                 wrap_cls=[Z.DECODER_LAYER[family]], cpu_ram_efficient_loading=ram_efficient,
+        acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
+                                 fp8_recipe=fp8_scenarios.RECIPE if recipe == "delayed" else RECIPES[recipe],
+                                 wrap_cls=[zoo_scenarios.DECODER_LAYER[family]], cpu_ram_efficient_loading=ram_efficient,
                                  activation_checkpointing=accelerate_ac,
                                  mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                              reduce_dtype=torch.float32))
-        model = Z.build(family, seed=seed)
+        model = zoo_scenarios.build(family, seed=seed)
         if accelerate_ac:  # stock too: the recompute would append this step's keys to the KV cache a second time
             model.config.use_cache = False
         if grad_ckpt:  # transformers' activation checkpointing (recompute routed through TE's checkpoint: A14)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if loaded:
-            model = S.load_sharded_by_transformers(model, tp_size=tp or 1, fsdp_size=dp_shard)
+            model = scenarios.load_sharded_by_transformers(model, tp_size=tp or 1, fsdp_size=dp_shard)
             model.train()  # from_pretrained returns eval mode
         elif tp:
-            model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+            model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         model, opt = acc.prepare(model, opt)
         return acc, model, opt
@@ -478,10 +454,10 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
     for m in model.modules():
         if isinstance(m, te.Linear):
             m.register_forward_pre_hook(lambda mod, args: seen.add(type(mod._parameters["weight"]).__name__))
-    dp_rank, dp_size = Z._data_rank(acc, "any")
-    per = Z.GLOBAL_BATCH // dp_size
-    data = Z.batch(slice(dp_rank * per, (dp_rank + 1) * per))
-    S.te_reset()
+    dp_rank, dp_size = zoo_scenarios._data_rank(acc, "any")
+    per = zoo_scenarios.GLOBAL_BATCH // dp_size
+    data = zoo_scenarios.batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    scenarios.te_reset()
     losses, norms, reductions = [], [], []
     for _ in range(steps):
         before = ag.amax_reductions if ag is not None else 0
@@ -494,7 +470,7 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(float(value) / world_size)
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
     facts = {"losses": losses, "grad_norms": norms, "reference": ref[0], "reference_grad_norms": ref[1],
              "gathered_weights": list(ag.weights) if ag is not None else [],
              "converted": sorted(acc.accel_fp8_fix.conversion.converted), "weight_amax_reductions": reductions,
@@ -504,10 +480,10 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
     if ckpt_dir:
         path = os.path.join(ckpt_dir, f"{family}-{dp_replicate}-{dp_shard}-{tp}-{all_gather}")
         acc.save_state(path)
-        saved = {n: Z._full(p).detach().clone() for n, p in model.named_parameters()}
+        saved = {n: zoo_scenarios._full(p).detach().clone() for n, p in model.named_parameters()}
         acc2, model2, _ = prepared(1)
         acc2.load_state(path)
-        got = {n: Z._full(p).detach() for n, p in model2.named_parameters()}
+        got = {n: zoo_scenarios._full(p).detach() for n, p in model2.named_parameters()}
         facts["checkpoint_param_mismatch"] = sorted(n for n, t in saved.items() if not torch.equal(got[n], t))
         loss2 = model2(**data).loss  # the loaded model trains with the switch: FP8 gathered from loaded weights
         acc2.backward(loss2)
@@ -522,20 +498,20 @@ def sc_stale(rank, world_size):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     os.environ[ALL_GATHER_ENV] = "fp8"
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPES["delayed"],
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPES["delayed"],
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
-    net = S.block_stack(seed=0)
+    net = scenarios.block_stack(seed=0)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     net, opt = acc.prepare(net, opt)
-    x, y = _batch(S.DIM)
+    x, y = _batch(scenarios.DIM)
     acc.backward(torch.nn.functional.mse_loss(net(x).float(), y))
     opt.step()
     opt.zero_grad()
     try:
-        net.blocks[0](torch.randn(16, S.DIM))
+        net.blocks[0](torch.randn(16, scenarios.DIM))
     except Exception as exc:  # noqa: BLE001
         error = (type(exc).__name__, str(exc))
     else:
@@ -548,26 +524,26 @@ def sc_bad_input(rank, world_size, case):
     """The switch where it cannot run: one named error at prepare, nothing converted."""
     import torch
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     os.environ[ALL_GATHER_ENV] = "fp8"
     if case == "no_fsdp2":
-        acc = S.make_accelerator(fsdp=False, tp=world_size, mixed_precision="fp8", expect=None)
+        acc = scenarios.make_accelerator(fsdp=False, tp=world_size, mixed_precision="fp8", expect=None)
     elif case == "mxfp8":
         os.environ["ACCEL_FP8_FIX_CPU_TE_ARCH"] = "sm100"
-        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"],
+        acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"],
                                  fp8_recipe={"fp8_format": "E4M3", "use_mxfp8_block_scaling": True})
     elif case == "cpu_offload":
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], cpu_offload=CPUOffloadPolicy())
+        acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], cpu_offload=CPUOffloadPolicy())
     elif case == "block_misaligned":  # dim 64: every weight's shard is 32-128 rows, tiles would cross shards
-        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPES["block"])
+        acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPES["block"])
     elif case == "block_1d":
-        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"],
+        acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"],
                                  fp8_recipe=dict(RECIPES["block"], w_block_scaling_dim=1))
     else:
         raise AssertionError(case)
-    net = S.block_stack(seed=0)
+    net = scenarios.block_stack(seed=0)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     try:
         acc.prepare(net, opt)
@@ -578,11 +554,5 @@ def sc_bad_input(rank, world_size, case):
     return {"error_type": None}
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan, world_size, env=None, timeout=300.0):
-    return S.launch(plan, world_size, env=env or S.ENV_FIXED, timeout=timeout, collective_timeout=90, suite_fn=suite)
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {"env": scenarios.ENV_FIXED, "timeout": 300.0, "collective_timeout": 90.0}

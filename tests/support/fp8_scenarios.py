@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import os
 
-from . import scenarios as S
+from . import scenarios
 
 STEPS = 10
 LR = 0.05
-GLOBAL_BATCH = 32  # on 2 ranks; more on 4 (S.fp8_rows: cuBLASLt's FP8 GEMMs need 16 tokens a rank)
+GLOBAL_BATCH = 32  # on 2 ranks; more on 4 (scenarios.fp8_rows: cuBLASLt's FP8 GEMMs need 16 tokens a rank)
 RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
 CLIP = 0.9  # max grad norm: below the model's norm for the first steps, so clipping acts (asserted in the tests)
 
 
-def _global_batch(dim=S.DIM, rows=GLOBAL_BATCH):
+def _global_batch(dim=scenarios.DIM, rows=GLOBAL_BATCH):
     """The GLOBAL_BATCH samples, repeated to ``rows`` (a multiple): the same mean loss and gradients, so a 4-rank
     run (16 rows a rank) meets the same calibrated figures as a 2-rank one (the step-0 norm above CLIP)."""
     import torch
@@ -44,7 +44,7 @@ def _reference_fp8_losses(steps=STEPS, frozen=(), rows=GLOBAL_BATCH):
     from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    model = _freeze(S.block_stack(seed=0), frozen)
+    model = _freeze(scenarios.block_stack(seed=0), frozen)
     convert_after_sharding(model, te)
     for module in model.modules():
         if hasattr(module, "fp8_meta"):
@@ -173,16 +173,16 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     # fp32 around the FP8 GEMMs (accelerate's default for fp8 is bf16 params/reduce), so that the
     # single-process reference can match exactly what the FP8 ranks compute.
-    acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
+    acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
                              wrap_cls=["Block"], fp8_recipe=RECIPE,
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
-    rows = S.fp8_rows(GLOBAL_BATCH, world_size)
+    rows = scenarios.fp8_rows(GLOBAL_BATCH, world_size)
     reference, reference_norms = _reference_fp8_losses(steps, frozen, rows)
-    model = _freeze(S.block_stack(seed=0), frozen)
+    model = _freeze(scenarios.block_stack(seed=0), frozen)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
@@ -207,8 +207,8 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
     x, y = _global_batch(rows=rows)
     per = rows // world_size
     x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-    S.te_reset()
-    fwd_gemms = S.count_forward_gemms(te_mods)
+    scenarios.te_reset()
+    fwd_gemms = scenarios.count_forward_gemms(te_mods)
     losses, same_state, norms = [], [], []
     for _ in range(steps):
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
@@ -221,7 +221,7 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
         dist.all_reduce(global_loss)
         losses.append(float(global_loss) / world_size)
         same_state.append(_all_equal_across_ranks(reduced_fp8_state(model)))
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
     facts.update(fsdp2_weight_path_facts(model, te_mods))
     facts.update(
         losses=losses,
@@ -259,8 +259,8 @@ def sc_no_convertible_layer(rank, world_size):
 
     import torch
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE)
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE)
     model = torch.nn.Sequential(torch.nn.Linear(10, 30), torch.nn.ReLU(), torch.nn.Linear(30, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     logged = []
@@ -287,13 +287,13 @@ def sc_no_convertible_layer(rank, world_size):
 def sc_optimizer_without_model(rank, world_size):
     import torch
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE)
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE)
     opt = torch.optim.SGD(torch.nn.Linear(16, 16).parameters(), lr=0.1)
     try:
         acc.prepare(opt)
     except Exception as exc:  # noqa: BLE001
-        return {"error": S.err(exc)}
+        return {"error": scenarios.err(exc)}
     return {"error": None}
 
 
@@ -303,11 +303,11 @@ def sc_largest_allocation(rank, world_size):
 
     from accel_fp8_fix.testing.alloc import LargestAllocation
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     out = {}
     for label in ("patched", "stock"):
-        acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
-        model = S.block_stack(dim=256, seed=0)
+        acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
+        model = scenarios.block_stack(dim=256, seed=0)
         full = max(p.numel() for p in model.parameters())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         if label == "stock":
@@ -326,9 +326,9 @@ def sc_checkpoint_save(rank, world_size, out_dir):
     """Train a few FP8 steps, save_state (sharded DCP) + the full state dict as reference."""
     import torch
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
-    model = S.block_stack(seed=0)
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
+    model = scenarios.block_stack(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     x, y = _global_batch()
@@ -355,9 +355,9 @@ def sc_checkpoint_load(rank, world_size, out_dir):
 
     from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
-    model = S.block_stack(seed=123)  # different init: everything must come from the checkpoint
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
+    model = scenarios.block_stack(seed=123)  # different init: everything must come from the checkpoint
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     acc.load_state(os.path.join(out_dir, "ckpt"))
@@ -382,17 +382,8 @@ def sc_checkpoint_load(rank, world_size, out_dir):
             "nonempty_extra_state": len(nonempty), "fp8_state_identical": same_fp8}
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan, world_size, env=None, timeout=300.0, suite_fn=None):
-    """One memoised 4-or-2-rank launch of this module's scenarios (fixes on unless ``env`` says otherwise)."""
-    return S.launch(plan, world_size, env=env or S.ENV_FIXED, timeout=timeout, collective_timeout=90,
-                    suite_fn=suite_fn or suite)
-
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {"env": scenarios.ENV_FIXED, "timeout": 300.0, "collective_timeout": 90.0}
 
 def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentrant=False):
     """FP8 training with activation checkpointing: ``how`` = "transformers" (a Llama with
@@ -406,31 +397,31 @@ def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentr
 
     import accel_fp8_fix.fixes.prepare as prepare_fix
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     from accel_fp8_fix.fixes.activation_checkpointing import route_checkpointing_through_te
 
     if not fix:
         prepare_fix.route_checkpointing_through_te = lambda model: ([], [])
     llama = how in ("transformers", "none-llama")
     kwargs = {"activation_checkpointing": True} if how == "accelerate" else {}
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE,
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE,
                              wrap_cls=["LlamaDecoderLayer"] if llama else ["Block"],
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32), **kwargs)
-    model = S.tiny_llama(seed=0) if llama else S.block_stack(seed=0)
+    model = scenarios.tiny_llama(seed=0) if llama else scenarios.block_stack(seed=0)
     if how == "transformers":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     facts = {"routed": acc.accel_fp8_fix.checkpointing_routed, "error": None}
-    S.te_reset()
+    scenarios.te_reset()
     losses = []
     try:
         for _ in range(steps):
             if llama:
-                loss = model(**S.token_batch(batch=2, seq=8, seed=rank)).loss
+                loss = model(**scenarios.token_batch(batch=2, seq=8, seed=rank)).loss
             else:
-                rows = S.fp8_rows(GLOBAL_BATCH, world_size)
+                rows = scenarios.fp8_rows(GLOBAL_BATCH, world_size)
                 x, y = _global_batch(rows=rows)
                 per = rows // world_size
                 loss = torch.nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]).float(),
@@ -442,8 +433,8 @@ def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentr
             dist.all_reduce(value)
             losses.append(float(value) / world_size)
     except Exception as exc:  # noqa: BLE001
-        facts["error"] = S.err(exc)
-    stats = S.te_stats()
+        facts["error"] = scenarios.err(exc)
+    stats = scenarios.te_stats()
     facts.update(losses=losses, fp8_gemms_fwd=stats["fp8_gemms_fwd"], fp8_gemms_bwd=stats["fp8_gemms_bwd"],
                  non_fp8_gemms=stats["non_fp8_gemms"], amax_reductions=stats["amax_reductions"],
                  amax_groups=sorted({str(g) for g in stats["amax_reduction_groups"]}))
@@ -468,14 +459,14 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
     from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=MXFP8_RECIPE,
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=MXFP8_RECIPE,
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
     g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(32 * world_size, S.DIM, generator=g), torch.randn(32 * world_size, 16, generator=g)
+    x, y = torch.randn(32 * world_size, scenarios.DIM, generator=g), torch.randn(32 * world_size, 16, generator=g)
     # the reference: same model and recipe, whole batch, one process (TE's FSDP2 weight path, as the ranks)
-    ref_model = S.block_stack(seed=0)
+    ref_model = scenarios.block_stack(seed=0)
     convert_after_sharding(ref_model, te, dim_multiple=32)  # head (64 -> 16) stays high precision, as on the ranks
     for module in ref_model.modules():
         if hasattr(module, "fp8_meta"):
@@ -491,11 +482,11 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
         ref_opt.zero_grad()
         reference.append(float(loss))
     reset_te_global_state()
-    model = S.block_stack(seed=0)
+    model = scenarios.block_stack(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
-    S.te_reset()
+    scenarios.te_reset()
     mine = slice(rank * 32, (rank + 1) * 32)
     losses = []
     for _ in range(steps):
@@ -506,7 +497,7 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(float(value) / world_size)
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
     extra = {k: v.numel() for k, v in model.state_dict().items() if k.endswith("_extra_state")}
     return {"recipe": type(setup.recipe).__name__, "fp8_enabled": setup.fp8_enabled, "losses": losses,
             "skipped": [[n, why] for n, why in setup.conversion.skipped],

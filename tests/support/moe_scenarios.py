@@ -9,9 +9,9 @@ import contextlib
 import copy
 import warnings
 
-from . import fp8_scenarios as F
-from . import scenarios as S
-from . import zoo_scenarios as Z
+from . import fp8_scenarios
+from . import scenarios
+from . import zoo_scenarios
 
 FAMILIES = ("qwen3_moe", "qwen2_moe")
 DECODER_LAYER = {"qwen3_moe": "Qwen3MoeDecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer"}
@@ -32,13 +32,13 @@ def _te():
 
 
 def _recipe(kind):
-    import transformer_engine.common.recipe as R
+    import transformer_engine.common.recipe as te_recipe
 
     if kind == "current":
-        return R.Float8CurrentScaling(fp8_format=R.Format.HYBRID)
+        return te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID)
     if kind == "mxfp8":
-        return R.MXFP8BlockScaling()
-    return R.DelayedScaling(fp8_format=R.Format.HYBRID, amax_history_len=16, amax_compute_algo="max", reduce_amax=False)
+        return te_recipe.MXFP8BlockScaling()
+    return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max", reduce_amax=False)
 
 
 def _experts_of(model, layer=0):
@@ -57,7 +57,7 @@ def _routing(family, zero_experts=()):
     """(hidden [T, H], top_k_index, top_k_weights) from the model's own router; ``zero_experts`` never chosen."""
     import torch
 
-    model = Z.build(family)
+    model = zoo_scenarios.build(family)
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(TOKENS, 64, generator=g)
     logits = model.model.layers[0].mlp.gate(hidden)[0].detach()
@@ -136,31 +136,31 @@ def _experts_case(family, zero_experts=(), recipes=("delayed", "current")) -> di
     hidden, index, weights = _routing(family, zero_experts)
     grad = torch.randn(TOKENS, 64, generator=torch.Generator().manual_seed(4))
     facts = {"counts": torch.bincount(index.reshape(-1), minlength=4).tolist()}
-    model = Z.build(family)
+    model = zoo_scenarios.build(family)
     experts = _experts_of(model)
     eager, grouped_mm = _eager(experts), _eager(experts, "grouped_mm")
     want = _run_experts(eager, hidden, index, weights, grad)
     facts["vs_grouped_mm_of_transformers"] = _compare(_run_experts(grouped_mm, hidden, index, weights, grad), want)
     facts["converted"], facts["skipped"] = convert_experts(model, te)
     seen = _splits_probe(experts)
-    S.te_reset()
+    scenarios.te_reset()
     got = _run_experts(experts, hidden, index, weights, grad, te_autocast(te)(False, _recipe("delayed"), None))
     facts["fp8_off"] = _compare(got, want)
-    facts["fp8_off_splits"], facts["fp8_off_stats"] = list(seen), S.te_stats()
+    facts["fp8_off_splits"], facts["fp8_off_stats"] = list(seen), scenarios.te_stats()
     for kind in recipes:
         seen.clear()
         experts.zero_grad()
-        S.te_reset()
+        scenarios.te_reset()
         got = _run_experts(experts, hidden, index, weights, grad, te_autocast(te)(True, _recipe(kind), None))
         facts[f"fp8_{kind}"] = _compare(got, want)
-        facts[f"fp8_{kind}_splits"], facts[f"fp8_{kind}_stats"] = list(seen), S.te_stats()
-        F.reset_te_global_state()
+        facts[f"fp8_{kind}_splits"], facts[f"fp8_{kind}_stats"] = list(seen), scenarios.te_stats()
+        fp8_scenarios.reset_te_global_state()
         if kind == "current":  # stateless scaling: a te.Linear per expert quantizes exactly as the grouped GEMM
-            loop_model = Z.build(family)
+            loop_model = zoo_scenarios.build(family)
             loop = _te_linear_loop(_experts_of(loop_model), hidden, index, weights, grad,
                                    te_autocast(te)(True, _recipe(kind), None))
             facts["fp8_current_vs_te_linear_loop"] = _compare(got, loop)
-            F.reset_te_global_state()
+            fp8_scenarios.reset_te_global_state()
     experts.zero_grad()
     return facts
 
@@ -173,10 +173,10 @@ def _model_case(family) -> dict:
     from accel_fp8_fix.fixes.moe_experts import convert_experts
 
     te = _te()
-    ref, model = Z.build(family), Z.build(family)
+    ref, model = zoo_scenarios.build(family), zoo_scenarios.build(family)
     ref.config._experts_implementation = "eager"
     convert_experts(model, te)
-    data = Z.batch()
+    data = zoo_scenarios.batch()
     ref_loss = ref(**data).loss
     ref_loss.backward()
     with te_autocast(te)(False, _recipe("delayed"), None):
@@ -198,7 +198,7 @@ def _state_dict_case(family) -> dict:
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
     te = _te()
-    plain, model = Z.build(family), Z.build(family)
+    plain, model = zoo_scenarios.build(family), zoo_scenarios.build(family)
     before = {n: id(p) for n, p in model.named_parameters()}
     report = convert_after_sharding(model, te)
     sd, ref = model.state_dict(), plain.state_dict()
@@ -225,7 +225,7 @@ def _coverage_case(family) -> dict:
     from accel_fp8_fix.internals.transformer_engine import gemms_per_forward
 
     te = _te()
-    model = Z.build(family)
+    model = zoo_scenarios.build(family)
     recipe = _recipe("delayed")
     report = convert_after_sharding(model, te)
     with torch.no_grad(), te_autocast(te)(True, recipe, None):
@@ -235,9 +235,9 @@ def _coverage_case(family) -> dict:
     shapes = [list(runner.fp8_meta["scaling_fwd"].amax_history.shape), list(runner.fp8_meta["scaling_bwd"].amax_history.shape)]
     wrap_forward(model, te, recipe, None, False)
     model.train()
-    model(**Z.batch()).loss.backward()
+    model(**zoo_scenarios.batch()).loss.backward()
     coverage = accel_fp8_fix.audit(model).coverage
-    F.reset_te_global_state()
+    fp8_scenarios.reset_te_global_state()
     return {"fp8_param_share": coverage.fp8_param_share, "high_precision": coverage.high_precision,
             "fp8_params": coverage.fp8_params, "gemm_params": coverage.gemm_params, "meta_shapes": shapes,
             "meta_shapes_after_forward": [list(runner.fp8_meta["scaling_fwd"].amax_history.shape)],
@@ -262,19 +262,19 @@ def sc_mxfp8_padding(rank, world_size):
 def _row_multiples() -> dict:
     """{recipe: (the package's expert row multiple, TE's get_align_size_for_quantization)} for every built-in
     recipe (the sm100 target: NVFP4 exists there)."""
-    from transformer_engine.common import recipe as R
+    from transformer_engine.common import recipe as te_recipe
     from transformer_engine.pytorch.quantization import get_align_size_for_quantization
 
     from accel_fp8_fix.fixes.moe_experts import expert_row_multiple
 
-    recipes = {"delayed": R.DelayedScaling(), "current": R.Float8CurrentScaling(), "block": R.Float8BlockScaling(),
-               "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}
+    recipes = {"delayed": te_recipe.DelayedScaling(), "current": te_recipe.Float8CurrentScaling(), "block": te_recipe.Float8BlockScaling(),
+               "mxfp8": te_recipe.MXFP8BlockScaling(), "nvfp4": te_recipe.NVFP4BlockScaling()}
     return {name: [expert_row_multiple(r), get_align_size_for_quantization(r)] for name, r in recipes.items()}
 
 
 # -- distributed -------------------------------------------------------------------------------------------
 def _full(tensor):
-    return S.full_tensor(tensor)
+    return scenarios.full_tensor(tensor)
 
 
 def _expert_grads(model) -> dict:
@@ -290,12 +290,12 @@ def reference(family, fp8, convert, steps=STEPS):
 
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    model = Z.build(family)
+    model = zoo_scenarios.build(family)
     model.config._experts_implementation = "eager"
     if convert:
         convert_after_sharding(model, te, exclude=("lm_head",))
     grads = {}
-    losses, norms = F.train_te_reference(model, _recipe("delayed"), Z.batch(), steps, LR, 1e9, fp8=fp8,
+    losses, norms = fp8_scenarios.train_te_reference(model, _recipe("delayed"), zoo_scenarios.batch(), steps, LR, 1e9, fp8=fp8,
                                          after_first_backward=lambda m: grads.update(_expert_grads(m)))
     return losses, norms, grads
 
@@ -308,12 +308,12 @@ def _prepared(family, layout):
     fsdp = dp_shard is not None or layout == "fsdp2_one_rank"
     extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
              "wrap_cls": [DECODER_LAYER[family]]} if fsdp else {}
-    acc = S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
-                             fp8_recipe=F.RECIPE, expect="FSDP" if fsdp else "MULTI_GPU", **extra)
-    model = Z.build(family)
+    acc = scenarios.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
+                             fp8_recipe=fp8_scenarios.RECIPE, expect="FSDP" if fsdp else "MULTI_GPU", **extra)
+    model = zoo_scenarios.build(family)
     model.config._experts_implementation = "eager"
     if tp:
-        model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     return acc, model, opt
@@ -334,7 +334,7 @@ def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     ref = reference(family, fp8=fp8, convert=fp8, steps=steps)
     if experts:
         acc, model, opt = _prepared(family, layout)
@@ -344,13 +344,13 @@ def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True
         with mock.patch("accel_fp8_fix.fixes.te_convert.convert_experts", lambda *a, **k: ([], [])):
             acc, model, opt = _prepared(family, layout)
     setup = acc.accel_fp8_fix
-    dp_rank, dp_size = Z._data_rank(acc, layout)
-    per = Z.GLOBAL_BATCH // dp_size
-    data = Z.batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    dp_rank, dp_size = zoo_scenarios._data_rank(acc, layout)
+    per = zoo_scenarios.GLOBAL_BATCH // dp_size
+    data = zoo_scenarios.batch(slice(dp_rank * per, (dp_rank + 1) * per))
     calls = _runner_calls(model)
     if not fp8:
         model.eval()
-    S.te_reset()
+    scenarios.te_reset()
     losses, norms, same, grad_errors = [], [], [], {}
     for step in range(steps):
         loss = model(**data).loss
@@ -366,8 +366,8 @@ def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(float(value) / world_size)
-        same.append(F._all_equal_across_ranks(F.reduced_fp8_state(model)))
-    stats = S.te_stats()
+        same.append(fp8_scenarios._all_equal_across_ranks(fp8_scenarios.reduced_fp8_state(model)))
+    stats = scenarios.te_stats()
     import accel_fp8_fix
 
     coverage = accel_fp8_fix.audit(model, acc).coverage
@@ -384,7 +384,7 @@ def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True
              "runner_features": [[m.in_features, m.out_features] for n, m in model.named_modules()
                                  if n.startswith("model.layers.0.mlp.experts.te_")],
              "param_names": sorted(n for n, _ in model.named_parameters())}
-    F.reset_te_global_state()
+    fp8_scenarios.reset_te_global_state()
     return facts
 
 
@@ -394,7 +394,7 @@ def _proportioned_qwen3_moe():
     import torch
     import transformers as tf
 
-    config = tf.Qwen3MoeConfig(vocab_size=Z.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = tf.Qwen3MoeConfig(vocab_size=zoo_scenarios.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=4, head_dim=16, num_experts=32, num_experts_per_tok=8,
                                moe_intermediate_size=32, decoder_sparse_step=1, max_position_embeddings=64,
                                tie_word_embeddings=False, attn_implementation="eager")
@@ -485,8 +485,8 @@ def sc_gemm_share(rank, world_size, experts=True, steps=2):
 
     import transformer_engine_torch as tex
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=F.RECIPE, wrap_cls=[DECODER_LAYER["qwen3_moe"]])
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE, wrap_cls=[DECODER_LAYER["qwen3_moe"]])
     model = _proportioned_qwen3_moe()
     model.config._experts_implementation = "eager"
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -501,7 +501,7 @@ def sc_gemm_share(rank, world_size, experts=True, steps=2):
                 model, opt = acc.prepare(model, opt)
     # 8 x 64 tokens a rank: ~128 rows an expert (top-8 of 32), so FP8's padding to 16 rows is a few percent, as
     # at real batch sizes (a tiny batch would pad most of each expert's GEMM)
-    ids = torch.randint(0, Z.VOCAB, (8, 64), generator=torch.Generator().manual_seed(11 + rank))
+    ids = torch.randint(0, zoo_scenarios.VOCAB, (8, 64), generator=torch.Generator().manual_seed(11 + rank))
     data = {"input_ids": ids, "labels": ids.clone()}
     for step in range(steps):
         counter = GemmFlops()
@@ -514,7 +514,7 @@ def sc_gemm_share(rank, world_size, experts=True, steps=2):
         finally:
             if saved:
                 tex.generic_gemm, tex.te_general_grouped_gemm = saved["generic_gemm"], saved["te_general_grouped_gemm"]
-    F.reset_te_global_state()
+    fp8_scenarios.reset_te_global_state()
     return {"fp8_flops": counter.fp8, "high_flops": counter.high, "experts": list(acc.accel_fp8_fix.conversion.experts),
             "tokens": int(data["input_ids"].numel())}
 
@@ -527,30 +527,23 @@ def sc_proportioned_coverage(rank, world_size):
 
     import accel_fp8_fix
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=F.RECIPE, wrap_cls=[DECODER_LAYER["qwen3_moe"]])
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE, wrap_cls=[DECODER_LAYER["qwen3_moe"]])
     model = _proportioned_qwen3_moe()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, opt = acc.prepare(model, opt)
-    per = Z.GLOBAL_BATCH // world_size
-    acc.backward(model(**Z.batch(slice(rank * per, (rank + 1) * per))).loss)
+    per = zoo_scenarios.GLOBAL_BATCH // world_size
+    acc.backward(model(**zoo_scenarios.batch(slice(rank * per, (rank + 1) * per))).loss)
     coverage = accel_fp8_fix.audit(model, acc).coverage
-    F.reset_te_global_state()
+    fp8_scenarios.reset_te_global_state()
     return {"coverage": coverage.fp8_param_share, "high_precision": coverage.high_precision,
             "skipped": dict(acc.accel_fp8_fix.conversion.skipped), "coverage_warnings": [str(w.message) for w in caught if "FP8 covers" in str(w.message)]}
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan, world_size, timeout=900.0):
-    return F.launch(plan, world_size, timeout=timeout, suite_fn=suite)
-
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {**fp8_scenarios.LAUNCH, "timeout": 900.0}
 
 def sc_unit(rank, world_size):
     """Both families' one-process checks in one fresh process."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from . import scenarios as S
+from . import scenarios
 
 AG_BLOCK = {"recipe": "block", "model": "linear_stack", "dim": 256, "out": 256, "steps": 3}
 
@@ -67,16 +67,8 @@ def sc(rank, world_size, module, scenario, kwargs):
     return getattr(importlib.import_module(f"{__package__}.{module}"), scenario)(rank, world_size, **kwargs)
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(folder: str):
-    """The one-rank launch (memoised for the pytest process)."""
-    return S.launch(plan(folder), 1, env=S.ENV_FIXED, timeout=900.0, collective_timeout=90, suite_fn=suite)
-
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {"env": scenarios.ENV_FIXED, "timeout": 900.0, "collective_timeout": 90.0}
 
 class OneRank:
     """The one-rank launch's facts, for a plan whose checkpoints live in ``folder``."""
@@ -89,6 +81,6 @@ class OneRank:
 
     def __call__(self, module: str, scenario: str, **kwargs) -> dict:
         """The facts of one scenario (its traceback if it raised)."""
-        key = S.key_of(plan(self.folder), "sc", {"module": module, "scenario": scenario, "kwargs": kwargs})
-        (only,) = S.facts_of(launch(self.folder), key)
+        key = scenarios.key_of(plan(self.folder), "sc", {"module": module, "scenario": scenario, "kwargs": kwargs})
+        (only,) = scenarios.facts_of(scenarios.launch(__name__, plan(self.folder), 1), key)
         return only

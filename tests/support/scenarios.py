@@ -172,59 +172,16 @@ def _torch():
     return torch
 
 
-class _Factories:
-    """Lazily built classes (torch is imported inside the ranks only)."""
-
-    _cache: dict = {}
-
-    @classmethod
-    def get(cls):
-        if cls._cache:
-            return cls._cache
-        torch = _torch()
-        nn = torch.nn
-
-        class Block(nn.Module):
-            def __init__(self, dim, hidden):
-                super().__init__()
-                self.norm = nn.LayerNorm(dim)
-                self.fc1 = nn.Linear(dim, hidden)
-                self.fc2 = nn.Linear(hidden, dim)
-
-            def forward(self, x):
-                return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
-
-        class BlockStack(nn.Module):
-            def __init__(self, dim, hidden, depth, out, buffer):
-                super().__init__()
-                self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(depth))
-                self.head = nn.Linear(dim, out)
-                if buffer:
-                    self.register_buffer("scale", torch.full((dim,), 0.5))  # persistent: in state_dict()
-                else:
-                    self.scale = None
-
-            def forward(self, x):
-                if self.scale is not None:
-                    x = x * self.scale
-                for block in self.blocks:
-                    x = block(x)
-                return self.head(x)
-
-        Block.__module__ = BlockStack.__module__ = __name__
-        Block.__qualname__, BlockStack.__qualname__ = "Block", "BlockStack"
-        cls._cache.update(Block=Block, BlockStack=BlockStack)
-        return cls._cache
-
-
 def block_stack(dim: int = DIM, hidden: int = 2 * DIM, depth: int = 2, out: int = 16, buffer: bool = False, seed: int = 0):
     """A plain-torch stack of pre-norm MLP blocks (``Block``: LayerNorm, Linear, GELU, Linear) and a head.
 
     ``buffer=True`` adds a persistent plain buffer ``scale`` (it is in ``state_dict()``; A5).
     """
     torch = _torch()
+    from support import toy_models
+
     torch.manual_seed(seed)
-    return _Factories.get()["BlockStack"](dim, hidden, depth, out, buffer)
+    return toy_models.BlockStack(dim, hidden, depth, out, buffer)
 
 
 def tiny_llama(hidden: int = DIM, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 2 * DIM,
@@ -814,9 +771,20 @@ def sc_a6_tp_full_sd(rank, world_size, dp_shard=2, tp=2):
 
 
 # -- suites and launches ----------------------------------------------------------------------------------
-def suite(rank, world_size, plan):
-    """Run ``plan`` = [(scenario name, kwargs), ...] of this module in order in this rank."""
-    return run_plan(sys.modules[__name__], rank, world_size, plan)
+def suite(rank, world_size, module, plan):
+    """What every launch runs in its ranks: ``plan`` of the scenario module named ``module`` (imported by name)."""
+    import importlib
+
+    return run_plan(importlib.import_module(module), rank, world_size, plan)
+
+
+def result_keys(plan) -> list[str]:
+    """The key of each entry's facts: its scenario's name, ``name#i`` for the i-th entry when the name repeats."""
+    keys, seen = [], set()
+    for i, (name, _kwargs) in enumerate(plan):
+        keys.append(name if name not in seen else f"{name}#{i}")
+        seen.add(name)
+    return keys
 
 
 def run_plan(module, rank, world_size, plan):
@@ -826,17 +794,13 @@ def run_plan(module, rank, world_size, plan):
     launch (the tests then fail on that scenario with its traceback).
     """
     out = {}
-    this = module
     environ = dict(os.environ)
-    seen = set()
-    for i, (name, kwargs) in enumerate(plan):
-        key = name if name not in seen else f"{name}#{i}"
-        seen.add(name)
+    for key, (name, kwargs) in zip(result_keys(plan), plan):
         # accelerate writes ACCELERATE_USE_FSDP / FSDP_* into os.environ: start every scenario from the launch's.
         os.environ.clear()
         os.environ.update(environ)
         try:
-            out[key] = getattr(this, name)(rank, world_size, **(kwargs or {}))
+            out[key] = getattr(module, name)(rank, world_size, **(kwargs or {}))
         except Exception as exc:  # noqa: BLE001
             out[key] = {"scenario_error": err(exc), "traceback": traceback.format_exc().splitlines()[-25:]}
     reset_accelerate()
@@ -920,11 +884,8 @@ PLAN_4RANK = [
 
 
 def key_of(plan, name, kwargs=None) -> str:
-    """The result key suite() gives to ``(name, kwargs)`` in ``plan``."""
-    seen = set()
-    for i, (n, kw) in enumerate(plan):
-        key = n if n not in seen else f"{n}#{i}"
-        seen.add(n)
+    """The result key of the first ``(name, kwargs)`` entry of ``plan`` (any kwargs when ``kwargs`` is None)."""
+    for key, (n, kw) in zip(result_keys(plan), plan):
         if n == name and (kwargs is None or (kw or {}) == kwargs):
             return key
     raise KeyError((name, kwargs))
@@ -933,29 +894,38 @@ def key_of(plan, name, kwargs=None) -> str:
 _LAUNCHES: dict = {}
 
 
-def launch(plan, world_size: int, env: dict | None = None, timeout: float = 150.0, collective_timeout: float = 45.0,
-           suite_fn=None, audit_collectives: bool = True):
-    """``run_distributed(suite_fn, world_size, args=(plan,), env=env, init_process_group=False)``, memoised for
-    the life of the (pytest) process: returns the per-rank dicts of ``suite_fn`` (default: :func:`suite`).
+def launch(module, plan, world_size: int, *, env: dict | None = None, timeout: float | None = None,
+           collective_timeout: float | None = None, audit_collectives: bool = True):
+    """The suite's one launcher: ``plan`` = [(scenario name, kwargs), ...] of the scenario module ``module`` (the
+    module or its name) on ``world_size`` pooled ranks (tests/support/launcher.py), memoised for the life of the
+    (pytest) process so test files asking for the same launch pay once; the per-rank dicts of :func:`run_plan`.
+
+    What is not given comes from the module's ``LAUNCH`` dict (``env`` — also when ``env`` is empty —,
+    ``timeout``, ``collective_timeout``), else 150 s / 45 s and the inherited environment.
     ``audit_collectives=False`` only for plans that run stock accelerate's failures on purpose (their
     collectives diverge: that is the bug)."""
+    import importlib
+
     from support import launcher
 
-    suite_fn = suite_fn or suite
-    key = (suite_fn.__module__, json.dumps(plan, sort_keys=True), world_size, json.dumps(env or {}, sort_keys=True),
+    name = module if isinstance(module, str) else module.__name__
+    defaults = getattr(importlib.import_module(name), "LAUNCH", {})
+    env = env or defaults.get("env")
+    timeout = timeout or defaults.get("timeout", 150.0)
+    collective_timeout = collective_timeout or defaults.get("collective_timeout", 45.0)
+    key = (name, json.dumps(plan, sort_keys=True), world_size, json.dumps(env or {}, sort_keys=True),
            audit_collectives)
     if key not in _LAUNCHES:
         from support import agreement
 
-        results = launcher.run(suite_fn, world_size, args=(plan,), env=env, init_process_group=False,
+        results = launcher.run(suite, world_size, args=(name, plan), env=env, init_process_group=False,
                                timeout=timeout, collective_timeout=collective_timeout,
                                audit_collectives=audit_collectives)
         if any("scenario_error" in (facts or {}) for res in results for facts in res.values()
                if isinstance(facts, dict)):
             launcher.retire(world_size, env)  # a scenario raised: its ranks may hold its state, start the next afresh
         elif launcher.pooled():
-            agreement.record(suite_fn.__module__, plan, world_size, env, audit_collectives, timeout,
-                             collective_timeout, results)
+            agreement.record(name, plan, world_size, env, audit_collectives, timeout, collective_timeout, results)
         _LAUNCHES[key] = results
     return _LAUNCHES[key]
 
@@ -971,6 +941,11 @@ def facts_of(results, name):
     if errors:
         raise AssertionError(f"scenario {name} raised on {len(errors)} of {len(results)} ranks:\n" + "\n".join(errors))
     return out
+
+
+def plan_facts(results, plan, name, kwargs=None):
+    """:func:`facts_of` the entry ``(name, kwargs)`` of ``plan`` (:func:`key_of`)."""
+    return facts_of(results, key_of(plan, name, kwargs))
 
 
 # -- launched-script mode (accelerate launch tests/support/scenarios.py --out FILE) ------------------------------

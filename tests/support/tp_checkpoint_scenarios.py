@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 
-from . import fp8_scenarios as F
-from . import scenarios as S
-from . import zoo_scenarios as Z
+from . import fp8_scenarios
+from . import scenarios
+from . import zoo_scenarios
 
 LR = 1e-2
 GLOBAL_BATCH = 8
@@ -30,7 +30,7 @@ def _reset_te():
     import sys
 
     if "transformer_engine.pytorch" in sys.modules:
-        F.reset_te_global_state()
+        fp8_scenarios.reset_te_global_state()
 
 
 def _sizes(layout, world_size):
@@ -39,8 +39,8 @@ def _sizes(layout, world_size):
 
 def _model(seed, intermediate=128, family="llama"):
     if family != "llama":
-        return Z.build(family, seed=seed)
-    return S.tiny_llama(seed=seed, kv_heads=4, intermediate=intermediate)
+        return zoo_scenarios.build(family, seed=seed)
+    return scenarios.tiny_llama(seed=seed, kv_heads=4, intermediate=intermediate)
 
 
 def _batches(step):
@@ -58,13 +58,13 @@ def _prepared(layout, world_size, seed, precision="fp8", intermediate=128, famil
     dp_replicate, dp_shard, tp = _sizes(layout, world_size)
     fsdp = dp_shard is not None
     extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)} if fsdp else {}
-    wrap = Z.DECODER_LAYER[family]
-    acc = S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision=precision,
-                             fp8_recipe=F.RECIPE, wrap_cls=[wrap] if fsdp else None,
+    wrap = zoo_scenarios.DECODER_LAYER[family]
+    acc = scenarios.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision=precision,
+                             fp8_recipe=fp8_scenarios.RECIPE, wrap_cls=[wrap] if fsdp else None,
                              expect="FSDP" if fsdp else "MULTI_GPU", **extra)
     model = _model(seed, intermediate, family)
     if tp:
-        model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     return acc, model, opt
@@ -104,7 +104,7 @@ def _train(acc, model, opt, first_step, steps, clip=None):
 
 
 def _full(t):
-    return S.full_tensor(t)
+    return scenarios.full_tensor(t)
 
 
 def full_state(model, opt) -> dict:
@@ -133,7 +133,7 @@ def sc_ckpt_save(rank, world_size, out_dir, tag, layout="tp", precision="fp8", b
     """Train ``before`` steps, ``save_state`` (and ``save_model`` when ``export``), train ``after`` more."""
     import torch
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     acc, model, opt = _prepared(layout, world_size, seed=0, precision=precision, family=family)
     facts = {"distributed_type": acc.distributed_type.name, "mesh": list(acc.torch_device_mesh.mesh_dim_names)}
     facts["losses_before"], _ = _train(acc, model, opt, 0, before)
@@ -142,7 +142,7 @@ def sc_ckpt_save(rank, world_size, out_dir, tag, layout="tp", precision="fp8", b
         acc.save_state(path)
         facts["save_error"] = None
     except Exception as exc:  # noqa: BLE001  (stock: the DTensor storage error; A16: a refusal)
-        facts["save_error"] = S.err(exc)[:600]
+        facts["save_error"] = scenarios.err(exc)[:600]
     saved = full_state(model, opt)
     if rank == 0:
         torch.save(saved, f"{path}.reference.pt")
@@ -154,7 +154,7 @@ def sc_ckpt_save(rank, world_size, out_dir, tag, layout="tp", precision="fp8", b
                 acc.unwrap_model(model).config.save_pretrained(f"{path}-export")
             facts["export_error"] = None
         except Exception as exc:  # noqa: BLE001
-            facts["export_error"] = S.err(exc)[:600]
+            facts["export_error"] = scenarios.err(exc)[:600]
         acc.wait_for_everyone()
     facts["losses_after"], _ = _train(acc, model, opt, before, after)
     _reset_te()
@@ -165,7 +165,7 @@ def sc_ckpt_resume(rank, world_size, out_dir, tag, layout="tp", precision="fp8",
     """A differently initialised model on ``layout`` loads ``tag``: everything bit for bit, then the same steps."""
     import torch
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     acc, model, opt = _prepared(layout, world_size, seed=99, precision=precision, family=family)
     path = os.path.join(out_dir, tag)
     facts = {"mesh": list(acc.torch_device_mesh.mesh_dim_names)}
@@ -173,7 +173,7 @@ def sc_ckpt_resume(rank, world_size, out_dir, tag, layout="tp", precision="fp8",
         acc.load_state(path)
         facts["load_error"] = None
     except Exception as exc:  # noqa: BLE001
-        facts["load_error"] = S.err(exc)[:800]
+        facts["load_error"] = scenarios.err(exc)[:800]
         _reset_te()
         return facts
     want = torch.load(f"{path}.reference.pt", weights_only=False)
@@ -190,14 +190,14 @@ def sc_ckpt_refused(rank, world_size, out_dir, tag, layout="tp", intermediate=12
     FP8 state missing): refused by name, and nothing of the model changed (refused before anything was read)."""
     import torch
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     acc, model, opt = _prepared(layout, world_size, seed=99, precision=precision, intermediate=intermediate)
     before = full_state(model, opt)
     try:
         acc.load_state(os.path.join(out_dir, tag))
         error = None
     except Exception as exc:  # noqa: BLE001
-        error = S.err(exc)[:1200]
+        error = scenarios.err(exc)[:1200]
     after = full_state(model, opt)
     _reset_te()
     return {"error": error, "changed": _mismatch(before["params"], after["params"])}
@@ -209,49 +209,49 @@ def sc_3d(rank, world_size, out_dir, steps=4):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from . import tp_scenarios as T
+    from . import tp_scenarios
 
-    S.ensure_rehearsal(True)
-    ref, ref_norms = T._reference_losses(steps, fsdp2=True, max_norm=T.CLIP)
-    acc = S.make_accelerator(fsdp=True, dp_replicate=2, dp_shard=2, tp=2, mixed_precision="fp8", fp8_recipe=F.RECIPE,
+    scenarios.ensure_rehearsal(True)
+    ref, ref_norms = tp_scenarios._reference_losses(steps, fsdp2=True, max_norm=tp_scenarios.CLIP)
+    acc = scenarios.make_accelerator(fsdp=True, dp_replicate=2, dp_shard=2, tp=2, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
                              wrap_cls=["LlamaDecoderLayer"],
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
-    model = S.shard_llama_tp(S.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
-    opt = torch.optim.SGD(model.parameters(), lr=T.LR)
+    model = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
+    opt = torch.optim.SGD(model.parameters(), lr=tp_scenarios.LR)
     model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
     mesh = acc.torch_device_mesh
     dp = mesh["dp_replicate"].get_local_rank() * 2 + mesh["dp_shard"].get_local_rank()
-    per = T.GLOBAL_BATCH // 4
-    batch = T._batch(slice(dp * per, (dp + 1) * per))
-    S.te_reset()
+    per = tp_scenarios.GLOBAL_BATCH // 4
+    batch = tp_scenarios._batch(slice(dp * per, (dp + 1) * per))
+    scenarios.te_reset()
     losses, norms = [], []
     import torch.distributed as dist
 
     for _ in range(steps):
         loss = model(**batch).loss
         acc.backward(loss)
-        norms.append(float(acc.clip_grad_norm_(model.parameters(), T.CLIP)))
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), tp_scenarios.CLIP)))
         opt.step()
         opt.zero_grad()
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(float(value) / world_size)
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
     facts = {"mesh": list(mesh.mesh_dim_names), "fp8_enabled": setup.fp8_enabled,
              "amax_group_ranks": list(setup.amax_group_ranks), "fp8_gemms_fwd": stats["fp8_gemms_fwd"],
              "losses": losses, "reference": ref, "grad_norms": norms, "reference_grad_norms": ref_norms,
-             "fp8_state_identical": F._all_equal_across_ranks(F.reduced_fp8_state(model))}
+             "fp8_state_identical": fp8_scenarios._all_equal_across_ranks(fp8_scenarios.reduced_fp8_state(model))}
     path = os.path.join(out_dir, "3d")
     acc.save_state(path)
     saved = full_state(model, opt)
-    acc2 = S.make_accelerator(fsdp=True, dp_replicate=2, dp_shard=2, tp=2, mixed_precision="fp8", fp8_recipe=F.RECIPE,
+    acc2 = scenarios.make_accelerator(fsdp=True, dp_replicate=2, dp_shard=2, tp=2, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
                               wrap_cls=["LlamaDecoderLayer"],
                               mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                           reduce_dtype=torch.float32))
-    model2 = S.shard_llama_tp(S.tiny_llama(seed=99), acc2.torch_device_mesh["tp"])
-    opt2 = torch.optim.SGD(model2.parameters(), lr=T.LR)
+    model2 = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=99), acc2.torch_device_mesh["tp"])
+    opt2 = torch.optim.SGD(model2.parameters(), lr=tp_scenarios.LR)
     model2, opt2 = acc2.prepare(model2, opt2)
     acc2.load_state(path)
     got = full_state(model2, opt2)
@@ -261,11 +261,5 @@ def sc_3d(rank, world_size, out_dir, steps=4):
     return facts
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan, world_size, env=None, timeout=600.0):
-    return F.launch(plan, world_size, env=env, timeout=timeout, suite_fn=suite)
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {**fp8_scenarios.LAUNCH, "timeout": 600.0}

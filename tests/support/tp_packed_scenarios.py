@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import os
 
-from . import fp8_scenarios as F
-from . import scenarios as S
-from . import tp_checkpoint_scenarios as C
+from . import fp8_scenarios
+from . import scenarios
+from . import tp_checkpoint_scenarios
 
 FAMILY = "qwen3_moe"
 PACKED = "model.layers.0.mlp.experts.gate_up_proj"
 
 
 def _stock_error(exc: BaseException) -> str:
-    text = S.err(exc) + "\n" + str(exc)
+    text = scenarios.err(exc) + "\n" + str(exc)
     at = max(text.find("overlapping chunks"), text.find("Failed to validate global plan"))
     return text[:300] + (" ... " + text[max(at - 200, 0):at + 300] if at > 300 else "")
 
@@ -33,8 +33,8 @@ def sc_packed_stock_dcp(rank, world_size, out_dir, layout):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    S.ensure_rehearsal(True)
-    acc, model, _ = C._prepared(layout, world_size, seed=0, family=FAMILY)
+    scenarios.ensure_rehearsal(True)
+    acc, model, _ = tp_checkpoint_scenarios._prepared(layout, world_size, seed=0, family=FAMILY)
     param = dict(model.named_parameters())[PACKED]
     facts = {"placements": [str(p) for p in param.placements], "mesh": list(param.device_mesh.mesh_dim_names)}
     try:
@@ -43,7 +43,7 @@ def sc_packed_stock_dcp(rank, world_size, out_dir, layout):
         facts["error"] = None
     except BaseException as exc:  # noqa: BLE001 — DCP's CheckpointException is a BaseException
         facts["error"] = _stock_error(exc)
-    C._reset_te()
+    tp_checkpoint_scenarios._reset_te()
     return facts
 
 
@@ -85,18 +85,18 @@ def sc_packed_save(rank, world_size, out_dir, tag, layout, before=2, after=1):
     """Train ``before`` steps, ``save_state``, reference + metadata + ``dcp_to_torch_save`` (rank 0), train on."""
     import torch
 
-    S.ensure_rehearsal(True)
-    acc, model, opt = C._prepared(layout, world_size, seed=0, family=FAMILY)
+    scenarios.ensure_rehearsal(True)
+    acc, model, opt = tp_checkpoint_scenarios._prepared(layout, world_size, seed=0, family=FAMILY)
     param = dict(model.named_parameters())[PACKED]
     facts = {"placements": [str(p) for p in param.placements], "mesh": list(param.device_mesh.mesh_dim_names)}
-    facts["losses_before"], _ = C._train(acc, model, opt, 0, before)
+    facts["losses_before"], _ = tp_checkpoint_scenarios._train(acc, model, opt, 0, before)
     path = os.path.join(out_dir, tag)
     try:
         acc.save_state(path)
         facts["save_error"] = None
     except BaseException as exc:  # noqa: BLE001 — a refusal (ValueError) or DCP's CheckpointException
-        facts["save_error"] = S.err(exc)[:1500]
-    saved = C.full_state(model, opt)
+        facts["save_error"] = scenarios.err(exc)[:1500]
+    saved = tp_checkpoint_scenarios.full_state(model, opt)
     acc.wait_for_everyone()
     if rank == 0 and facts["save_error"] is None:
         torch.save(saved, f"{path}.reference.pt")
@@ -104,8 +104,8 @@ def sc_packed_save(rank, world_size, out_dir, tag, layout, before=2, after=1):
         facts["converted"] = _converted_mismatch(path, saved)
     acc.wait_for_everyone()
     facts["files"] = sorted(os.listdir(path)) if os.path.isdir(path) else []
-    facts["losses_after"], _ = C._train(acc, model, opt, before, after)
-    C._reset_te()
+    facts["losses_after"], _ = tp_checkpoint_scenarios._train(acc, model, opt, before, after)
+    tp_checkpoint_scenarios._reset_te()
     return facts
 
 
@@ -114,8 +114,8 @@ def sc_packed_resume(rank, world_size, out_dir, tag, layout, precision="fp8", be
     for bit, FP8 state too when the model has FP8; then the same steps as the run that did not stop."""
     import torch
 
-    S.ensure_rehearsal(True)
-    acc, model, opt = C._prepared(layout, world_size, seed=99, precision=precision, family=FAMILY)
+    scenarios.ensure_rehearsal(True)
+    acc, model, opt = tp_checkpoint_scenarios._prepared(layout, world_size, seed=99, precision=precision, family=FAMILY)
     param = dict(model.named_parameters())[PACKED]
     facts = {"placements": [str(p) for p in getattr(param, "placements", ())]}
     path = os.path.join(out_dir, tag)
@@ -123,27 +123,21 @@ def sc_packed_resume(rank, world_size, out_dir, tag, layout, precision="fp8", be
         acc.load_state(path)
         facts["load_error"] = None
     except BaseException as exc:  # noqa: BLE001
-        facts["load_error"] = S.err(exc)[:1500]
-        C._reset_te()
+        facts["load_error"] = scenarios.err(exc)[:1500]
+        tp_checkpoint_scenarios._reset_te()
         return facts
     want = torch.load(f"{path}.reference.pt", weights_only=False)
-    got = C.full_state(model, opt)
-    facts.update({f"{k}_mismatch": C._mismatch(want[k], got[k]) for k in ("params", "optim")})
+    got = tp_checkpoint_scenarios.full_state(model, opt)
+    facts.update({f"{k}_mismatch": tp_checkpoint_scenarios._mismatch(want[k], got[k]) for k in ("params", "optim")})
     # FP8 state the loading model has (TP 4 leaves the experts' GEMMs out of FP8: 8 local rows, not a multiple of 16)
-    facts["fp8_mismatch"] = C._mismatch({k: v for k, v in want["fp8"].items() if k in got["fp8"]}, got["fp8"])
+    facts["fp8_mismatch"] = tp_checkpoint_scenarios._mismatch({k: v for k, v in want["fp8"].items() if k in got["fp8"]}, got["fp8"])
     facts["fp8_not_in_model"] = sorted(k for k in want["fp8"] if k not in got["fp8"])
     facts["fp8_loaded"] = len(got["fp8"])
     facts.update({f"{k}_compared": len(want[k]) for k in ("params", "optim", "fp8")})
-    facts["losses_after"], _ = C._train(acc, model, opt, before, after)
-    C._reset_te()
+    facts["losses_after"], _ = tp_checkpoint_scenarios._train(acc, model, opt, before, after)
+    tp_checkpoint_scenarios._reset_te()
     return facts
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan, world_size, env=None, timeout=600.0):
-    return F.launch(plan, world_size, env=env, timeout=timeout, suite_fn=suite)
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {**fp8_scenarios.LAUNCH, "timeout": 600.0}

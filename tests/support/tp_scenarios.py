@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import warnings
 
-from . import fp8_scenarios as F
-from . import scenarios as S
+from . import fp8_scenarios
+from . import scenarios
 
 STEPS = 6
 LR = 0.02
 GLOBAL_BATCH = 4
-RECIPE = F.RECIPE
+RECIPE = fp8_scenarios.RECIPE
 CLIP = 0.5  # max grad norm: below the model's norm, so clipping acts at every step (asserted in the tests)
 
 
@@ -38,14 +38,14 @@ def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP, intermediate=None
 
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    model = S.tiny_llama(seed=0, **_sizes(intermediate))
+    model = scenarios.tiny_llama(seed=0, **_sizes(intermediate))
     convert_after_sharding(model, te, exclude=tuple(keep))
     for module in model.modules():
         if fsdp2 and hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                       reduce_amax=False)
-    return F.train_te_reference(model, recipe, _batch(), steps, LR, max_norm)
+    return fp8_scenarios.train_te_reference(model, recipe, _batch(), steps, LR, max_norm)
 
 
 def _sizes(intermediate):
@@ -66,17 +66,17 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
 
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     fsdp = dp_shard is not None
     extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)} if fsdp else {}
-    acc = S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
+    acc = scenarios.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
                              wrap_cls=["LlamaDecoderLayer"] if fsdp else None, expect=None if not fsdp else "auto", **extra)
     misfit = intermediate is not None and (intermediate // tp) % 16 != 0
     reference, reference_norms = _reference_losses(steps, fsdp2=fsdp, max_norm=CLIP if clip else float("inf"),
                                                    intermediate=intermediate,
                                                    keep=("lm_head",) + (_mlp() if misfit else ()))
     mesh = acc.torch_device_mesh
-    model = S.shard_llama_tp(S.tiny_llama(seed=0, **_sizes(intermediate)), mesh["tp"])
+    model = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=0, **_sizes(intermediate)), mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with CollectiveSpy() as prepare_spy, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -106,8 +106,8 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
     else:
         batch = _batch()
     losses, same, norms = [], [], []
-    S.te_reset()
-    fwd_gemms = S.count_forward_gemms(te_mods)
+    scenarios.te_reset()
+    fwd_gemms = scenarios.count_forward_gemms(te_mods)
     with CollectiveSpy() as train_spy:
         for _ in range(steps):
             loss = model(**batch).loss
@@ -122,8 +122,8 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
                 dist.all_reduce(value, group=mesh["dp_shard"].get_group())
                 value /= dp_shard
             losses.append(float(value))
-            same.append(F._all_equal_across_ranks(F.reduced_fp8_state(model)))
-    stats = S.te_stats()
+            same.append(fp8_scenarios._all_equal_across_ranks(fp8_scenarios.reduced_fp8_state(model)))
+    stats = scenarios.te_stats()
     facts.update(
         losses=losses,
         reference=reference,
@@ -145,10 +145,10 @@ def sc_tp_checkpoint_save(rank, world_size, out_dir, dp_shard=2, tp=2):
     from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
                              wrap_cls=["LlamaDecoderLayer"])
-    model = S.shard_llama_tp(S.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
+    model = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     for _ in range(2):
@@ -171,13 +171,13 @@ def sc_tp_checkpoint_load(rank, world_size, out_dir, dp_shard=2, tp=2):
     from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     tp_on = tp is not None and tp > 1
-    acc = S.make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp if tp_on else None, mixed_precision="fp8",
+    acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp if tp_on else None, mixed_precision="fp8",
                              fp8_recipe=RECIPE, wrap_cls=["LlamaDecoderLayer"])
-    model = S.tiny_llama(seed=99)  # different init: everything must come from the checkpoint
+    model = scenarios.tiny_llama(seed=99)  # different init: everything must come from the checkpoint
     if tp_on:
-        model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     with CollectiveSpy() as spy:
@@ -193,31 +193,24 @@ def sc_tp_checkpoint_load(rank, world_size, out_dir, dp_shard=2, tp=2):
     }
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan, world_size, timeout=400.0):
-    return F.launch(plan, world_size, timeout=timeout, suite_fn=suite)
-
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {**fp8_scenarios.LAUNCH, "timeout": 400.0}
 
 def sc_tp_heads_misfit(rank, world_size, tp=2, heads=4, kv_heads=1):
     """KV heads (1) not divisible by tp_size (2): the error and where it surfaced ("prepare" with the fix; the
     first forward's bare ``shape '[...]' is invalid`` without it)."""
     import torch
 
-    S.ensure_rehearsal(True)
-    acc = S.make_accelerator(fsdp=False, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE, expect=None)
-    model = S.shard_llama_tp(S.tiny_llama(seed=0, heads=heads, kv_heads=kv_heads), acc.torch_device_mesh["tp"])
+    scenarios.ensure_rehearsal(True)
+    acc = scenarios.make_accelerator(fsdp=False, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE, expect=None)
+    model = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=0, heads=heads, kv_heads=kv_heads), acc.torch_device_mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     try:
         model, opt = acc.prepare(model, opt)
     except Exception as exc:  # noqa: BLE001
-        return {"where": "prepare", "error": S.err(exc)}
+        return {"where": "prepare", "error": scenarios.err(exc)}
     try:
         model(**_batch()).loss.backward()
     except Exception as exc:  # noqa: BLE001
-        return {"where": "forward", "error": S.err(exc)}
+        return {"where": "forward", "error": scenarios.err(exc)}
     return {"where": None, "error": None}

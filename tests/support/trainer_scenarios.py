@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-from . import fp8_scenarios as F
-from . import scenarios as S
-from . import zoo_scenarios as Z
+from . import fp8_scenarios
+from . import scenarios
+from . import zoo_scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -68,8 +67,8 @@ def launch_env(config) -> dict:
 
 def dataset():
     """The 4 samples of the zoo's global batch, one dict per sample (what Trainer's default collator stacks)."""
-    data = Z.batch()
-    return [{"input_ids": data["input_ids"][i], "labels": data["labels"][i]} for i in range(Z.GLOBAL_BATCH)]
+    data = zoo_scenarios.batch()
+    return [{"input_ids": data["input_ids"][i], "labels": data["labels"][i]} for i in range(zoo_scenarios.GLOBAL_BATCH)]
 
 
 def reference(steps: int = STEPS):
@@ -80,13 +79,13 @@ def reference(steps: int = STEPS):
     from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    model = Z.build("llama")
-    recipe = Z._recipe()
+    model = zoo_scenarios.build("llama")
+    recipe = zoo_scenarios._recipe()
     convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(recipe))
     for module in model.modules():
         if hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
-    return F.train_te_reference(model, recipe, Z.batch(), steps, Z.LR, CLIP)
+    return fp8_scenarios.train_te_reference(model, recipe, zoo_scenarios.batch(), steps, zoo_scenarios.LR, CLIP)
 
 
 def _arguments(per_device: int, use_cpu: bool = False):
@@ -94,13 +93,13 @@ def _arguments(per_device: int, use_cpu: bool = False):
 
     return TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="accel_fp8_fix_trainer_out_"), per_device_train_batch_size=per_device,
-        max_steps=STEPS, learning_rate=Z.LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_steps=STEPS, learning_rate=zoo_scenarios.LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=CLIP, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         use_cpu=use_cpu, dataloader_drop_last=True)
 
 
 def sc_trainer(rank, world_size, layout):
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     ref_losses, ref_norms = reference()
     config, per_device = LAYOUTS[layout]
     os.environ.update(launch_env(config))
@@ -115,13 +114,13 @@ def _train(args, layout, per_device, ref_losses, ref_norms):
     from transformers import Trainer
 
     args.device  # noqa: B018  (TrainingArguments creates the PartialState, as in a script: before the model is loaded)
-    model = Z.build("llama")
+    model = zoo_scenarios.build("llama")
     if layout == "fsdp2_tp_loaded":
-        model = S.load_sharded_by_transformers(model, tp_size=2, fsdp_size=2).train()
+        model = scenarios.load_sharded_by_transformers(model, tp_size=2, fsdp_size=2).train()
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
-    S.te_reset()
+    scenarios.te_reset()
     trainer.train()
-    stats = S.te_stats()
+    stats = scenarios.te_stats()
     acc = trainer.accelerator
     setup = getattr(acc, "accel_fp8_fix", None)
     mesh = acc.torch_device_mesh
@@ -140,7 +139,7 @@ def _train(args, layout, per_device, ref_losses, ref_norms):
         "reference": ref_losses, "reference_grad_norms": ref_norms,
         "epochs": [float(e["epoch"]) for e in logs],
     }
-    F.reset_te_global_state()
+    fp8_scenarios.reset_te_global_state()
     return facts
 
 
@@ -150,13 +149,13 @@ def sc_trainer_use_cpu(rank, world_size):
 
     from transformers import Trainer
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     os.environ.update(launch_env(FSDP2_CONFIG))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         args = _arguments(1, use_cpu=True)
         try:
-            trainer = Trainer(model=Z.build("llama"), args=args, train_dataset=dataset())
+            trainer = Trainer(model=zoo_scenarios.build("llama"), args=args, train_dataset=dataset())
         finally:
             shutil.rmtree(args.output_dir, ignore_errors=True)
     acc = trainer.accelerator
@@ -168,9 +167,5 @@ def sc_trainer_use_cpu(rank, world_size):
 PLAN = [("sc_trainer", {"layout": "fsdp2"}), ("sc_trainer", {"layout": "fsdp2_tp_loaded"}), ("sc_trainer_use_cpu", {})]
 
 
-def suite(rank, world_size, plan):
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan=PLAN, world_size=4, timeout=300.0):
-    return F.launch(plan, world_size, timeout=timeout, suite_fn=suite)
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = fp8_scenarios.LAUNCH

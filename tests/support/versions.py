@@ -6,8 +6,9 @@
 * ``python tests/support/versions.py probe`` (run with ``PYTHONPATH=<that dir>``) prints, as JSON, what the patch
   engine made of that accelerate: the report of the fix set, the rehearsal gates, and every declared target's
   signature next to the one found.
-* :func:`suite` runs a plan of scenarios from this module, ``_fp8_scenarios`` and ``_scenarios`` inside the
-  ranks of ``run_distributed`` (so one launch can report the accelerate version *and* run a scenario).
+* :func:`launch` runs a plan of this module's scenarios (its own and those it takes from its siblings below) in
+  fresh ``run_distributed`` ranks whose accelerate is that release (so one launch can report the accelerate
+  version *and* run a scenario).
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
+
+# The siblings' scenarios the version tests run (scenarios.run_plan finds a plan's names in this module).
+from .fp8_scenarios import sc_checkpoint_load, sc_checkpoint_save, sc_fsdp2_fp8_train  # noqa: F401
+from .scenarios import sc_a2_fsdp2_te, sc_a5_ram_efficient  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 
@@ -125,41 +129,20 @@ def sc_accelerate_version(rank, world_size):
     """Which accelerate this rank really imported, and which layers were on."""
     import accelerate
 
-    from . import scenarios as S
+    from . import scenarios
 
-    return {"version": accelerate.__version__, "file": accelerate.__file__, **S.meta_facts()}
-
-
-def suite(rank, world_size, plan):
-    """Run ``plan`` = [(scenario name, kwargs), ...]; a name is looked up in this module, then
-    ``_fp8_scenarios``, then ``_scenarios``. Errors are recorded like ``_scenarios.suite``."""
-    from . import fp8_scenarios as F
-    from . import scenarios as S
-
-    import time
-
-    out, environ, timing = {}, dict(os.environ), {}
-    for name, kwargs in plan:
-        start = time.perf_counter()
-        os.environ.clear()
-        os.environ.update(environ)
-        fn = next(getattr(m, name) for m in (sys.modules[__name__], F, S) if hasattr(m, name))
-        try:
-            out[name] = fn(rank, world_size, **(kwargs or {}))
-        except Exception as exc:  # noqa: BLE001
-            out[name] = {"scenario_error": S.err(exc), "traceback": traceback.format_exc().splitlines()[-25:]}
-        timing[name] = round(time.perf_counter() - start, 2)
-    S.reset_accelerate()
-    out["_seconds"] = timing
-    return out
+    return {"version": accelerate.__version__, "file": accelerate.__file__, **scenarios.meta_facts()}
 
 
 def launch(plan, version_dir: str, env: dict, world_size: int = 2, timeout: float = 300.0):
-    """One ``run_distributed`` launch of :func:`suite` whose workers import accelerate from ``version_dir``."""
+    """One ``run_distributed`` launch of ``plan`` whose workers import accelerate from ``version_dir`` (fresh
+    interpreters: a pool's ranks have the venv's accelerate imported already)."""
     from accel_fp8_fix.testing import run_distributed
 
+    from . import scenarios
+
     return run_distributed(
-        suite, world_size, args=(plan,), env={**env, "PYTHONPATH": version_dir}, init_process_group=False,
+        scenarios.suite, world_size, args=(__name__, plan), env={**env, "PYTHONPATH": version_dir}, init_process_group=False,
         timeout=timeout, collective_timeout=60,
     )
 

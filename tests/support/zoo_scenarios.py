@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from . import fp8_scenarios as F
-from . import scenarios as S
+from . import fp8_scenarios
+from . import scenarios
 
 STEPS = 3
 LR = 0.02
@@ -106,7 +106,7 @@ def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, re
         if fsdp2 and hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
     small_grads = {}
-    losses, norms = F.train_te_reference(model, te_recipe, batch(), steps, LR, 1e9, fp8=fp8,
+    losses, norms = fp8_scenarios.train_te_reference(model, te_recipe, batch(), steps, LR, 1e9, fp8=fp8,
                                          after_first_backward=lambda m: small_grads.update(_small_param_grads(m)))
     return losses, norms, converted, small_grads
 
@@ -124,8 +124,8 @@ def _accelerator(family, layout, precision, recipe=None):
     dp_replicate, dp_shard, tp = LAYOUTS[layout]
     fsdp = dp_shard is not None
     extra = {"mixed_precision_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)} if fsdp else {}
-    return S.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision=precision,
-                              fp8_recipe={"recipe": recipe} if recipe else F.RECIPE, wrap_cls=[DECODER_LAYER[family]] if fsdp else None,
+    return scenarios.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision=precision,
+                              fp8_recipe={"recipe": recipe} if recipe else fp8_scenarios.RECIPE, wrap_cls=[DECODER_LAYER[family]] if fsdp else None,
                               expect="FSDP" if fsdp else "MULTI_GPU", **extra)
 
 
@@ -136,10 +136,10 @@ def _prepared(family, layout, seed, precision, recipe=None):
     model = build(family, seed=seed)
     _, dp_shard, tp = LAYOUTS[layout]
     if layout in LOADED:
-        model = S.load_sharded_by_transformers(model, tp_size=tp, fsdp_size=dp_shard)
+        model = scenarios.load_sharded_by_transformers(model, tp_size=tp, fsdp_size=dp_shard)
         model.train()  # from_pretrained returns the model in eval mode, where TE autocast is off
     elif tp:
-        model = S.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     return acc, model, opt
@@ -162,7 +162,7 @@ def _data_rank(acc, layout):
 
 
 def _full(param):
-    return S.full_tensor(param)
+    return scenarios.full_tensor(param)
 
 
 def _experts_convert(family: str, layout: str) -> bool:
@@ -179,7 +179,7 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
 
     from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
 
-    S.ensure_rehearsal(True)
+    scenarios.ensure_rehearsal(True)
     ref_losses, ref_norms, ref_converted, ref_grads = reference(family, fsdp2=LAYOUTS[layout][1] is not None, steps=steps,
                                                              fp8=precision == "fp8", recipe=recipe,
                                                              moe_experts=_experts_convert(family, layout))
@@ -188,7 +188,7 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
     dp_rank, dp_size = _data_rank(acc, layout)
     per = GLOBAL_BATCH // dp_size
     data = batch(slice(dp_rank * per, (dp_rank + 1) * per))
-    S.te_reset()
+    scenarios.te_reset()
     losses, norms, same = [], [], []
     grad_errors = {}
     for step in range(steps):
@@ -204,8 +204,8 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
         value = loss.detach().clone()
         dist.all_reduce(value)  # mean over ranks: TP ranks hold the same loss, data ranks their share
         losses.append(float(value) / world_size)
-        same.append(F._all_equal_across_ranks(F.reduced_fp8_state(model)))
-    stats = S.te_stats()
+        same.append(fp8_scenarios._all_equal_across_ranks(fp8_scenarios.reduced_fp8_state(model)))
+    stats = scenarios.te_stats()
     leaves = all(p.is_leaf for p in model.parameters())
     facts = {
         "converted": sorted(setup.conversion.converted) if setup else [],
@@ -233,7 +233,7 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
             acc.save_state(path)
         except ValueError as exc:  # a refusal by name of a sharded save
             facts["checkpoint_refused"] = str(exc)
-            F.reset_te_global_state()
+            fp8_scenarios.reset_te_global_state()
             return facts
         saved = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
         saved_fp8 = {k: v.detach().clone() for k, v in fp8_state_tensors(model).items()}
@@ -242,7 +242,7 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
             acc2.load_state(path)
         except Exception as exc:  # noqa: BLE001 — e.g. a DCP size mismatch of TE's _extra_state
             facts["checkpoint_load_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            F.reset_te_global_state()
+            fp8_scenarios.reset_te_global_state()
             return facts
         got = {n: _full(p).detach() for n, p in model2.named_parameters()}
         got_fp8 = fp8_state_tensors(model2)
@@ -256,7 +256,7 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
             if "shard_order" not in str(exc):
                 raise
             facts["export_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    F.reset_te_global_state()
+    fp8_scenarios.reset_te_global_state()
     return facts
 
 
@@ -278,21 +278,15 @@ def sc_loaded_mesh_mismatch(rank, world_size):
     import torch
 
     acc = _accelerator("llama", "fsdp2_tp", "fp8")
-    model = S.load_sharded_by_transformers(build("llama"), tp_size=4, fsdp_size=1)
+    model = scenarios.load_sharded_by_transformers(build("llama"), tp_size=4, fsdp_size=1)
     try:
         acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
         return {"error": None}
     except ValueError as exc:
         return {"error": str(exc), "te_modules": sum(1 for m in model.modules() if hasattr(m, "fp8_meta"))}
     finally:
-        F.reset_te_global_state()
+        fp8_scenarios.reset_te_global_state()
 
 
-def suite(rank, world_size, plan):
-    import sys
-
-    return S.run_plan(sys.modules[__name__], rank, world_size, plan)
-
-
-def launch(plan, world_size=4, timeout=600.0):
-    return F.launch(plan, world_size, timeout=timeout, suite_fn=suite)
+# The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
+LAUNCH = {**fp8_scenarios.LAUNCH, "timeout": 600.0}

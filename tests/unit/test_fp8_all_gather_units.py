@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from accel_fp8_fix import settings
-from accel_fp8_fix.fixes import fp8_all_gather as AG
+from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
 from accel_fp8_fix.fixes import fp8_all_gather_policy as policy
 from accel_fp8_fix.rehearsal.te_on_cpu import tex
 
@@ -24,23 +24,23 @@ AMAXES = [0.0, 1e-30, 1e-12, 3.0e-5, 0.1, 0.5, 1.0, 2.0, 3.14159, 448.0, 1000.0,
 @pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
 @pytest.mark.parametrize("pow2,epsilon", [(False, 0.0), (True, 0.0), (False, 1e-3), (True, 1e-3)])
 def test_scales_are_the_kernels_compute_scale_from_amax_bit_for_bit(fp8_max, pow2, epsilon):
-    params = AG._ScaleParams(fp8_dtype=None, fp8_max=fp8_max, force_pow_2=pow2, epsilon=epsilon)
-    mine = AG.scales_from_amaxes(torch.tensor(AMAXES, dtype=torch.float32), params)
+    params = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=fp8_max, force_pow_2=pow2, epsilon=epsilon)
+    mine = fp8_all_gather_fix.scales_from_amaxes(torch.tensor(AMAXES, dtype=torch.float32), params)
     shim = torch.tensor([tex.scale_from_amax(a, fp8_max, pow2, epsilon) for a in AMAXES], dtype=torch.float32)
     assert torch.equal(mine.view(torch.int32), shim.view(torch.int32)), (mine, shim)
 
 
 def test_delayed_margin_divides_by_a_power_of_two_exactly():
-    base = AG._ScaleParams(fp8_dtype=None, fp8_max=448.0)
-    margin = AG._ScaleParams(fp8_dtype=None, fp8_max=448.0, margin=2)
+    base = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=448.0)
+    margin = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=448.0, margin=2)
     amax = torch.tensor([0.3, 7.0, 0.0], dtype=torch.float32)
-    a, b = AG.scales_from_amaxes(amax, base), AG.scales_from_amaxes(amax, margin)
+    a, b = fp8_all_gather_fix.scales_from_amaxes(amax, base), fp8_all_gather_fix.scales_from_amaxes(amax, margin)
     assert torch.equal(b[:2], a[:2] / 4) and b[2] == 1.0  # amax 0: scale 1, as the kernel
 
 
 def test_the_shard_alias_is_plain_for_ops_and_pickles_as_a_plain_tensor():
     base = torch.randn(6, 4)
-    shard = base.as_subclass(AG.Fp8AllGatherShard)
+    shard = base.as_subclass(fp8_all_gather_fix.Fp8AllGatherShard)
     assert type(shard * 2) is torch.Tensor and type(shard.detach()) is torch.Tensor
     assert type(torch.zeros_like(shard)) is torch.Tensor  # optimizer state
     a, b = io.BytesIO(), io.BytesIO()
@@ -107,10 +107,10 @@ def test_the_installed_te_has_what_the_fp8_all_gather_needs():
 
 
 def test_a_te_without_the_block_pieces_refuses_only_block_scaling(monkeypatch):
-    from accel_fp8_fix.internals import transformer_engine as TI
+    from accel_fp8_fix.internals import transformer_engine as te_internals
 
-    monkeypatch.setattr(TI, "FP8_ALL_GATHER_BLOCK_SOURCES",
-                        TI.FP8_ALL_GATHER_BLOCK_SOURCES + (("pytorch/tensor/float8_blockwise_tensor.py", "no such text"),))
+    monkeypatch.setattr(te_internals, "FP8_ALL_GATHER_BLOCK_SOURCES",
+                        te_internals.FP8_ALL_GATHER_BLOCK_SOURCES + (("pytorch/tensor/float8_blockwise_tensor.py", "no such text"),))
     versions = {"transformer-engine": "2.20.2", "torch": "2.13.0"}
     why = policy.refusal("Float8BlockScaling", is_fsdp2=True, versions=versions)
     assert "Transformer Engine lacks" in why and "no such text" in why
@@ -164,7 +164,7 @@ def _fake_fsdp_param(rows, cols, world, shard=None, param=None):
     (4080, 32, "uneven"),  # 128-row shards, the last 112: FSDP2 wants every all-gather input padded-size
 ])
 def test_block_scaling_needs_whole_tiles_in_whole_shards(rows, world, why):
-    got = AG._block_misaligned("w", _fake_fsdp_param(rows, 256, world))
+    got = fp8_all_gather_fix._block_misaligned("w", _fake_fsdp_param(rows, 256, world))
     assert (got is None) if why is None else (why in got and got.startswith(f"w: {rows} rows sharded over {world}"))
 
 
@@ -202,13 +202,13 @@ def test_the_scales_are_one_packed_reduction_into_buffers_allocated_once():
 
     shards = [torch.randn(8, 16) * s for s in (1.0, 30.0, 1e-3)]
     record = WeightRecord()
-    scales = WeightScales(record, None, AG.scale_params(Float8CurrentScaling()))
+    scales = WeightScales(record, None, fp8_all_gather_fix.scale_params(Float8CurrentScaling()))
     for n, t in enumerate(shards):
         scales.add(record.add(f"w{n}", _fake_fsdp_param(8, 16, 1, shard=t, param=t), "per_tensor"))
     with torch.inference_mode():  # a first forward in an evaluation: the buffers are still normal tensors
         assert scales.refresh()
     assert not scales.scale.is_inference() and not scales.refresh()  # unchanged: no reduction
-    want = AG.scales_from_amaxes(torch.stack([t.abs().amax() for t in shards]), scales.params)
+    want = fp8_all_gather_fix.scales_from_amaxes(torch.stack([t.abs().amax() for t in shards]), scales.params)
     assert torch.equal(scales.scale, want) and torch.equal(scales.scale_inv, torch.reciprocal(want))
     buffers = (scales.scale.data_ptr(), scales.scale_inv.data_ptr())
     views = [v.data_ptr() for v in scales.scale_inv_views]
@@ -222,5 +222,5 @@ def test_the_scales_are_one_packed_reduction_into_buffers_allocated_once():
 def test_fsdp2_is_told_to_keep_the_all_gather_outputs():
     """torch 2.15 asks the extension whether to free the all-gather outputs right after fsdp_post_all_gather: the
     FP8 tensor built there is a view of them."""
-    shard = torch.zeros(2, 2).as_subclass(AG.Fp8AllGatherShard)
+    shard = torch.zeros(2, 2).as_subclass(fp8_all_gather_fix.Fp8AllGatherShard)
     assert shard.fsdp_should_release_all_gather_outputs_after_post_all_gather() is False

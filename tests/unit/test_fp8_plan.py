@@ -16,7 +16,7 @@ from accel_fp8_fix.rehearsal import te_on_cpu
 te_on_cpu.install()  # TE's real Python (its recipe classes) over the CPU kernel shim
 
 from accel_fp8_fix.fixes import fp8_all_gather, fp8_all_gather_policy, fp8_plan, handler_choices  # noqa: E402
-from accel_fp8_fix.fixes import prepare as P  # noqa: E402
+from accel_fp8_fix.fixes import prepare as prepare_fix  # noqa: E402
 from accel_fp8_fix.fixes import recipes  # noqa: E402
 from accel_fp8_fix.fixes.recipe_kwargs import te_recipe_kwargs  # noqa: E402
 from accel_fp8_fix.fixes.te_convert import ConversionReport  # noqa: E402
@@ -48,18 +48,18 @@ def patched_prepare(monkeypatch):
     """prepare's steps that need a sharded model and real TE modules, recorded instead; returns what they saw."""
     seen = {}
     module = _TEModule(4, 4)
-    monkeypatch.setattr(P, "handles_fp8_prepare", lambda accelerator: True)
-    monkeypatch.setattr(P, "record_tp_layout", lambda model: None)
-    monkeypatch.setattr(P, "convert_after_sharding",
+    monkeypatch.setattr(prepare_fix, "handles_fp8_prepare", lambda accelerator: True)
+    monkeypatch.setattr(prepare_fix, "record_tp_layout", lambda model: None)
+    monkeypatch.setattr(prepare_fix, "convert_after_sharding",
                         lambda model, te, dim_multiple: ConversionReport(converted=["0"], te_modules=[module]))
-    monkeypatch.setattr(P, "gemms_per_forward", lambda module: 1)
+    monkeypatch.setattr(prepare_fix, "gemms_per_forward", lambda module: 1)
     monkeypatch.setattr(fp8_all_gather, "install",
                         lambda model, te_modules, recipe, group: seen.setdefault("all_gather", recipe))
-    monkeypatch.setattr(P, "register_tensor_state", lambda model, te_modules, attrs: [])
-    monkeypatch.setattr(P, "install_safe_loading", lambda module: None)
-    monkeypatch.setattr(P, "keep_fp8_state_in_checkpoints", lambda module: None)
-    monkeypatch.setattr(P, "wrap_forward", lambda model, te, recipe, group, during_eval: seen.setdefault("fwd", recipe))
-    monkeypatch.setattr(P, "route_checkpointing_through_te", lambda model: ([], []))
+    monkeypatch.setattr(prepare_fix, "register_tensor_state", lambda model, te_modules, attrs: [])
+    monkeypatch.setattr(prepare_fix, "install_safe_loading", lambda module: None)
+    monkeypatch.setattr(prepare_fix, "keep_fp8_state_in_checkpoints", lambda module: None)
+    monkeypatch.setattr(prepare_fix, "wrap_forward", lambda model, te, recipe, group, during_eval: seen.setdefault("fwd", recipe))
+    monkeypatch.setattr(prepare_fix, "route_checkpointing_through_te", lambda model: ([], []))
     return seen
 
 
@@ -72,7 +72,7 @@ def test_prepare_decides_the_recipe_and_the_all_gather_once(monkeypatch, patched
     switched = _Counted(monkeypatch, fp8_plan, "requested")  # every decision of the all-gather switch
     tiles = _Counted(monkeypatch, fp8_plan, "block_recipe_refusal")
     model = nn.Sequential(nn.Linear(4, 4))
-    result = P.prepare(lambda *args, **kwargs: args, accelerator, (model,), {})
+    result = prepare_fix.prepare(lambda *args, **kwargs: args, accelerator, (model,), {})
     assert result == (model,)
     setup = accelerator.accel_fp8_fix
     assert setup.fp8_enabled and setup.recipe is patched_prepare["fwd"]

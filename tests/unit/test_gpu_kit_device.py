@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from gpu_kit import device, gpu_run, kit  # noqa: E402
+from gpu_kit import device, gpu_run, kit
 
 MIB, GIB = 2**20, 2**30
 

@@ -18,24 +18,24 @@ import pytest
 import torch
 
 from support import launcher
-from support import moe_scenarios as M
+from support import moe_scenarios
 
 GRAD_NAMES = ("out", "hidden", "weights", "gate_up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module")
 def facts():
-    (result,) = launcher.run(M.sc_unit, 1, timeout=600)
+    (result,) = launcher.run(moe_scenarios.sc_unit, 1, timeout=600)
     return result
 
 
 @pytest.fixture(scope="module")
 def mxfp8():
-    (result,) = launcher.run(M.sc_mxfp8_padding, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=600)
+    (result,) = launcher.run(moe_scenarios.sc_mxfp8_padding, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=600)
     return result
 
 
-@pytest.mark.parametrize("family", M.FAMILIES)
+@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
 @pytest.mark.parametrize("case", ["experts", "zeros"])
 def test_fp8_off_equals_transformers_own_loop_bit_for_bit(facts, family, case):
     f = facts[family][case]
@@ -54,7 +54,7 @@ def test_fp8_off_equals_transformers_own_loop_bit_for_bit(facts, family, case):
     assert f["fp8_off_stats"]["grouped_gemms"] == 6  # forward, dgrad, wgrad of both projections
 
 
-@pytest.mark.parametrize("family", M.FAMILIES)
+@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
 def test_fp8_on_is_fp8_and_close_to_fp32(facts, family):
     for case, kinds in (("experts", ("delayed", "current")), ("zeros", ("delayed",))):
         f = facts[family][case]
@@ -66,14 +66,14 @@ def test_fp8_on_is_fp8_and_close_to_fp32(facts, family):
                 assert 1e-3 < f[f"fp8_{kind}"][name][2] < 0.15, (case, kind, name, f[f"fp8_{kind}"][name])
 
 
-@pytest.mark.parametrize("family", M.FAMILIES)
+@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
 def test_fp8_grouped_gemm_equals_a_te_linear_per_expert(facts, family):
     f = facts[family]["experts"]["fp8_current_vs_te_linear_loop"]
     for name in GRAD_NAMES:
         assert f[name][0], (name, f[name])
 
 
-@pytest.mark.parametrize("family", M.FAMILIES)
+@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
 def test_m_splits_padded_to_16_under_fp8_with_empty_experts(facts, family):
     for case in ("experts", "zeros"):
         f = facts[family][case]
@@ -92,7 +92,7 @@ def test_mxfp8_pads_every_expert_to_32(mxfp8):
         assert 1e-3 < mxfp8["fp8_mxfp8"][name][2] < 0.15, (name, mxfp8["fp8_mxfp8"][name])
 
 
-@pytest.mark.parametrize("family", M.FAMILIES)
+@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
 def test_whole_model_without_fp8_trains_like_transformers(facts, family):
     f = facts[family]["model"]
     assert f["loss_equal"]
@@ -103,7 +103,7 @@ def test_whole_model_without_fp8_trains_like_transformers(facts, family):
         assert f["max_grad_rel_error"] < 1e-5
 
 
-@pytest.mark.parametrize("family", M.FAMILIES)
+@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
 def test_state_dict_and_parameters_are_plain_transformers(facts, family):
     f = facts[family]["state_dict"]
     assert f["same_keys"] and f["same_shapes_dtypes"] and f["same_values"] and f["same_parameter_objects"]
@@ -113,7 +113,7 @@ def test_state_dict_and_parameters_are_plain_transformers(facts, family):
         f"model.layers.{i}.mlp.experts.{r}._extra_state" for i in (0, 1) for r in ("te_gate_up", "te_down")}
 
 
-@pytest.mark.parametrize("family", M.FAMILIES)
+@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
 def test_coverage_counts_the_experts_and_names_the_router(facts, family):
     f = facts[family]["coverage"]
     assert f["fp8_param_share"] >= 0.9, f["summary"]
@@ -154,9 +154,9 @@ def test_expert_parallel_and_odd_dims_are_refused_by_name():
     from torch import nn
 
     from accel_fp8_fix.fixes.moe_experts import convert_experts
-    from support import zoo_scenarios as Z
+    from support import zoo_scenarios
 
-    model = Z.build("qwen3_moe")
+    model = zoo_scenarios.build("qwen3_moe")
     model.model.layers[0].mlp.experts._is_expert_parallel = True
     converted, skipped = convert_experts(model, te=None, dim_multiple=128)
     reasons = dict(skipped)

@@ -16,7 +16,7 @@ import torch
 
 from accel_fp8_fix.rehearsal.te_on_cpu import tex
 from support import launcher
-from support import scenarios as S
+from support import scenarios
 
 E4M3, E5M2 = tex.DType.kFloat8E4M3, tex.DType.kFloat8E5M2
 
@@ -275,19 +275,19 @@ def _gemm_refusals_on_hopper() -> dict:
     block1d = tex.quantize(w, Float8BlockQuantizer(e4m3, rowwise=True, columnwise=True, block_scaling_dim=1))
     block2d = tex.quantize(x[:32], Float8BlockQuantizer(e4m3, rowwise=True, columnwise=True, block_scaling_dim=2))
     out = {
-        "delayed_x_mxfp8": S.runtime_error_of(lambda: gemm(mx, True, delayed(x), False)),
-        "block1d_x_current": S.runtime_error_of(lambda: gemm(block1d, True, current(x), False)),
-        "bf16_x_mxfp8": S.runtime_error_of(lambda: gemm(mx, True, x, False)),
-        "block1d_x_block2d": S.runtime_error_of(lambda: gemm(block1d, True, block2d, False)),  # allowed by TE
+        "delayed_x_mxfp8": scenarios.runtime_error_of(lambda: gemm(mx, True, delayed(x), False)),
+        "block1d_x_current": scenarios.runtime_error_of(lambda: gemm(block1d, True, current(x), False)),
+        "bf16_x_mxfp8": scenarios.runtime_error_of(lambda: gemm(mx, True, x, False)),
+        "block1d_x_block2d": scenarios.runtime_error_of(lambda: gemm(block1d, True, block2d, False)),  # allowed by TE
     }
     # wgrad (NT): lda = k = the token count; 24 tokens pass TE's Python check (a multiple of 8), not cuBLASLt's
     for tokens in (24, 32):
         xt, dy = torch.randn(tokens, 32), torch.randn(tokens, 48)
         for name, cast in (("delayed", delayed), ("current", current)):
-            out[f"wgrad_{name}_{tokens}"] = S.runtime_error_of(lambda: gemm(cast(xt), False, cast(dy), True))
-    out["wgrad_bf16_24"] = S.runtime_error_of(lambda: gemm(torch.randn(24, 32), False, torch.randn(24, 48), True))
-    out["fprop_k24"] = S.runtime_error_of(lambda: gemm(delayed(torch.randn(64, 24)), True, delayed(torch.randn(16, 24)), False))
-    out["empty_wgrad"] = S.runtime_error_of(lambda: gemm(delayed(torch.randn(0, 32)), False, delayed(torch.randn(0, 48)), True))
+            out[f"wgrad_{name}_{tokens}"] = scenarios.runtime_error_of(lambda: gemm(cast(xt), False, cast(dy), True))
+    out["wgrad_bf16_24"] = scenarios.runtime_error_of(lambda: gemm(torch.randn(24, 32), False, torch.randn(24, 48), True))
+    out["fprop_k24"] = scenarios.runtime_error_of(lambda: gemm(delayed(torch.randn(64, 24)), True, delayed(torch.randn(16, 24)), False))
+    out["empty_wgrad"] = scenarios.runtime_error_of(lambda: gemm(delayed(torch.randn(0, 32)), False, delayed(torch.randn(0, 48)), True))
     # an empty per-tensor FP8 tensor given column-wise usage afterwards: TE's Python calls tex.fp8_transpose
     empty = {}
     for name, quantizer in (("delayed", Float8Quantizer(torch.ones(1), torch.zeros(1), e4m3)),

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support import launcher
-from support import scenarios as S
+from support import scenarios
 
 SPLITS = [32, 0, 48, 16]  # tokens per expert, one expert without tokens; multiples of 16 (FP8 GEMM rule)
 SPLITS_MX = [64, 0, 96, 32]  # MXFP8: rows in blocks of 32
@@ -413,13 +413,13 @@ def _blackwell_refusals() -> dict:
     w, x = [torch.randn(64, 128) for _ in range(2)], [torch.randn(32, 128) for _ in range(2)]
     empty = [torch.empty(0)] * 2
     return {
-        "single_block_x_current": S.runtime_error_of(lambda: gemm(block(w[0]), True, current(x[0]), False)),
-        "grouped_block_x_current": S.runtime_error_of(lambda: tex.te_general_grouped_gemm(
+        "single_block_x_current": scenarios.runtime_error_of(lambda: gemm(block(w[0]), True, current(x[0]), False)),
+        "grouped_block_x_current": scenarios.runtime_error_of(lambda: tex.te_general_grouped_gemm(
             [block(t) for t in w], True, [block(x[0]), current(x[1])], False, None, f32, [32, 32], empty, f32,
             False, empty, False, empty, 0, False, False, 0)),
-        "lda_m24": S.runtime_error_of(lambda: gemm(current(torch.randn(32, 24)), False, current(torch.randn(16, 32)), False)),
-        "ldb_n24": S.runtime_error_of(lambda: gemm(current(torch.randn(32, 48)), False, current(torch.randn(32, 24)), True)),
-        "tn_k32": S.runtime_error_of(lambda: gemm(current(torch.randn(24, 32)), True, current(torch.randn(40, 32)), False)),
+        "lda_m24": scenarios.runtime_error_of(lambda: gemm(current(torch.randn(32, 24)), False, current(torch.randn(16, 32)), False)),
+        "ldb_n24": scenarios.runtime_error_of(lambda: gemm(current(torch.randn(32, 48)), False, current(torch.randn(32, 24)), True)),
+        "tn_k32": scenarios.runtime_error_of(lambda: gemm(current(torch.randn(24, 32)), True, current(torch.randn(40, 32)), False)),
     }
 
 
