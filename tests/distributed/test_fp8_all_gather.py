@@ -11,6 +11,7 @@ import pytest
 
 from support import fp8_all_gather_scenarios
 from support import scenarios
+from support import tolerances
 
 CONVERTED_WEIGHTS = ["head.weight", "blocks.0.fc1.weight", "blocks.0.fc2.weight", "blocks.1.fc1.weight",
                      "blocks.1.fc2.weight"]
@@ -352,8 +353,10 @@ def llm4(llm_dirs):
 
 def _check_llm(facts, gathered=True):
     for f in facts:
-        # current scaling: each rank scales its activations by its own amax, the reference by the whole batch's
-        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=1e-6 if f["recipe"] == "delayed" else 1e-2)
+        # current scaling: each rank scales its activations by its own amax, the reference by the whole batch's;
+        # under the rehearsal's fast-accumulation model TP's split K adds its bound (tests/support/tolerances.py)
+        step0 = tolerances.step0_rel(1e-6, f["tp"], f["row_parallel_ks"]) if f["recipe"] == "delayed" else 1e-2
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=step0)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
         assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=2e-2)
         assert f["non_fp8_gemms"] == 0 and f["fp8_gemms_fwd"] == LLM_WEIGHTS * len(f["losses"])

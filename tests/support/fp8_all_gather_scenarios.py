@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from . import scenarios
+from . import tolerances
 
 STEPS = 4
 LR = 0.05
@@ -476,6 +477,7 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
              "converted": sorted(acc.accel_fp8_fix.conversion.converted), "weight_amax_reductions": reductions,
              "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "non_fp8_gemms": stats["non_fp8_gemms"],
              "te_linear_weight_types": sorted(seen), "recipe": recipe,
+             "tp": tp or 1, "row_parallel_ks": tolerances.row_parallel_ks(model.config),
              "checkpoint_wrapped": sorted({type(m).__name__ for m in model.modules() if "Checkpoint" in type(m).__name__})}
     if ckpt_dir:
         path = os.path.join(ckpt_dir, f"{family}-{dp_replicate}-{dp_shard}-{tp}-{all_gather}")

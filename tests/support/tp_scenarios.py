@@ -11,6 +11,7 @@ import warnings
 
 from . import fp8_scenarios
 from . import scenarios
+from . import tolerances
 
 STEPS = 6
 LR = 0.02
@@ -132,6 +133,7 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
         reference_grad_norms=reference_norms,
         fp8_gemms_fwd_per_module=dict(fwd_gemms),
         fp8_gemms_fwd=stats["fp8_gemms_fwd"], fp8_gemms_bwd=stats["fp8_gemms_bwd"],
+        fast_accum_gemms=stats.get("fast_accum_gemms", 0), row_parallel_ks=tolerances.row_parallel_ks(model.config),
         amax_reductions=stats["amax_reductions"],
         train_dtensor_collectives=len(train_spy.dtensor_calls),
         train_groups=sorted({tuple(c.group_ranks) for c in train_spy.calls() if c.group_ranks is not None}),

@@ -13,6 +13,7 @@ import os
 
 from . import fp8_scenarios
 from . import scenarios
+from . import tolerances
 
 STEPS = 3
 LR = 0.02
@@ -75,7 +76,7 @@ def batch(rank_slice=None):
 
 
 def _recipe(name=None):
-    """The recipe the ranks ask for: F.RECIPE (delayed scaling) without the amax reduction (one process), or
+    """The recipe the ranks ask for: fp8_scenarios.RECIPE (delayed scaling) without the amax reduction (one process), or
     the TE recipe ``name`` as this package builds it from the accelerate config."""
     import transformer_engine.common.recipe as te_recipe
 
@@ -217,7 +218,8 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
         "losses": losses, "reference": ref_losses,
         "grad_norms": norms, "reference_grad_norms": ref_norms,
         "fp8_state_identical_every_step": same,
-        "fp8_gemms_fwd": stats["fp8_gemms_fwd"],
+        "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "fast_accum_gemms": stats.get("fast_accum_gemms", 0),
+        "row_parallel_ks": tolerances.row_parallel_ks(model.config),
         "recipe": type(setup.recipe).__name__ if setup and setup.fp8_enabled else None,
         "amax_reductions": stats["amax_reductions"],
         "params_are_leaves": leaves,
