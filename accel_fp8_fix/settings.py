@@ -185,10 +185,11 @@ REGISTRY: dict = {s.name: s for s in (
             "TE: fp8 = quantized on the shard, gathered as FP8 + one scale, masters and checkpoints unchanged "
             "(docs/fixes.md, 'FP8 all-gather')", choices=lambda: dict(_all_gather_choices()), config_key="all_gather",
             default="high_precision"),
-    Setting("ACCEL_FP8_FIX_EXIT_TIMEOUT", "seconds", "how long the exit handler waits for the process group's "
-            "destruction (fixes/clean_exit.py)", default="60"),
-    Setting("ACCEL_FP8_FIX_EXIT_GRACE", "seconds", "how long the exit handler holds the interpreter for the group's "
-            "worker threads (fixes/clean_exit.py)", default="0.2"),
+    Setting("ACCEL_FP8_FIX_EXIT_TIMEOUT", "seconds", "the bound on the exit handler: draining gloo's groups, "
+            "destroying them, waiting for their worker threads to park (fixes/clean_exit.py)", default="60"),
+    Setting("ACCEL_FP8_FIX_EXIT_GRACE", "seconds", "without /proc (not Linux): how long the exit handler holds the "
+            "interpreter for gloo's worker threads; with /proc it waits until they are parked (fixes/clean_exit.py)",
+            default="0.2"),
     Setting("ACCEL_FP8_FIX_TEST_PROFILE", "path", "append one JSON line per multi-process launch (its ranks' start-up, "
             "scenario and exit times) to this file: scripts/suite_profile.py reads them (docs/testing.md)",
             owner="testing"),

@@ -12,6 +12,7 @@ thin wrappers around it, each taking the mesh (and dims) or the group explicitly
     broadcast_variable(t, mesh=None, dims=None, *, src=None, group_src=None, group=None, name=None, device=None)
     broadcast_object(obj, mesh=None, dims=None, *, src=None, group_src=None, group=None, name=None, device=None)
     all_gather_object(obj, mesh=None, dims=None, *, group=None, name=None)
+    barrier_async(group)                      # the Work, to wait for with a timeout
 
 They refuse what would be wrong silently:
 
@@ -50,6 +51,7 @@ __all__ = [
     "broadcast_variable",
     "broadcast_object",
     "all_gather_object",
+    "barrier_async",
     "clear_group_cache",
 ]
 
@@ -512,3 +514,12 @@ def all_gather_object(obj: Any, mesh=None, dims=None, *, group=None, name: str |
     out = [None] * len(group_ranks(group))
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def barrier_async(group):
+    """Issue a barrier on ``group`` (a ProcessGroup: named, never the implied default) without waiting; returns its
+    Work (``work.wait(timeout=...)``). On gloo it completes only after every collective queued or running on the
+    group when it was issued (``ProcessGroupGloo::barrier``)."""
+    if group is None:
+        raise CollectiveError("accel_fp8_fix: barrier_async: name the group (pass group=dist.group.WORLD for all)")
+    return dist.barrier(group=group, async_op=True)

@@ -277,10 +277,12 @@ class Engine:
         unchanged, or nothing is applied (the error names the internal / function and the versions)."""
         problems = []
         if self.patch_set.internals:
-            from .. import internals
+            # by its full name: ``from .. import`` would re-import the package itself when the rehearsal's
+            # bootstrap has handed it back (accel_fp8_fix/_bootstrap.py), activating the fixes
+            from ..internals import DISTRIBUTIONS, check
             from .versions import installed_versions
 
-            problems += internals.check(self.patch_set.internals, installed_versions(internals.DISTRIBUTIONS))
+            problems += check(self.patch_set.internals, installed_versions(DISTRIBUTIONS))
         for spec in self.patch_set.watches:
             try:
                 _check_upstream(spec, resolve_target(spec)[2])

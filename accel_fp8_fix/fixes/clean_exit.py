@@ -23,20 +23,43 @@ could block; the run fails anyway). It is bounded: the destroy runs on a helper 
 ``ACCEL_FP8_FIX_EXIT_TIMEOUT`` seconds (default 60); past that it is left to teardown with a warning.
 
 ``destroy_process_group()`` alone is not enough when the group is still referenced (FSDP2's state, a DeviceMesh:
-the usual case after ``prepare``): the C++ group, and its worker threads, outlive it, and a worker may still be
-releasing the tensors of the last collective. The handler therefore also holds the interpreter, GIL released,
-for ``ACCEL_FP8_FIX_EXIT_GRACE`` seconds (default 0.2) so that such a release completes before finalization.
+the usual case after ``prepare``): the C++ group and its worker threads outlive it, and a worker may still be
+running the last collective, or releasing its tensors after it (``ProcessGroupGloo::runLoop``: ``execute(work)``,
+then, under the queue's lock, ``workInProgress_[i].reset()`` and the loop's own ``work`` dropped — the decref that
+takes the GIL). A fixed wait is a timing margin a loaded machine eats (1 of 8 launches aborted beside three busy
+loops with a 0.2 s grace). The handler therefore makes the workers idle before the interpreter finalizes, in two
+steps that need no timing assumption:
+
+1. **drain**: a barrier on every gloo group this rank belongs to, issued asynchronously on all of them (so their
+   order cannot deadlock) and waited for. gloo's barrier waits for every collective queued or running on its group
+   when it was issued (``ProcessGroupGloo::barrier`` snapshots ``workInProgress_`` and ``workQueue_``), so after it
+   no worker is inside a collective — a script's un-waited ``async_op=True`` work included. Every rank runs the
+   handler at its exit, so the barrier is matched; a peer that never comes (it failed) makes the wait end at the
+   deadline, with a warning.
+2. **park**: the destroy, then the handler watches the workers (threads named ``pt_gloo_runloop``, read from
+   ``/proc/self/task``) with the GIL released until every one is asleep (state ``S``) with its context-switch
+   counters unchanged over two consecutive GIL-free intervals. A worker that still has a release to do is either
+   runnable (``R``) or waiting for the GIL the handler has released — it then runs, and its counters move — so
+   the only workers that pass are parked on the empty queue's condition variable, where nothing of Python's is
+   touched again. Without ``/proc`` (not Linux) the handler falls back to holding the interpreter
+   ``ACCEL_FP8_FIX_EXIT_GRACE`` seconds (default 0.2).
+
+Both are bounded by ``ACCEL_FP8_FIX_EXIT_TIMEOUT`` (default 60 s) in all. Only gloo groups are drained: NCCL's
+watchdog and work threads never hold tensors with Python objects past ``wait()``.
 Measured (one process, gloo group made by ``PartialState``, still referenced, 20 waited all-reduces, exit): stock
-2 of 40 aborted; ``destroy_process_group()`` alone 1 of 40; this handler 0 of 40.
+2 of 40 aborted; ``destroy_process_group()`` alone 1 of 40; with the grace 0 of 40. FSDP2 + fp8 + the config
+flag on 2 processes under ``scripts/loaded.sh --heavy``: docs/failures.md A20.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 import time
+from datetime import timedelta
 
 from ..engine.engine import calling_patch_set, is_applied
 
@@ -46,6 +69,10 @@ TIMEOUT_ENV = "ACCEL_FP8_FIX_EXIT_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
 GRACE_ENV = "ACCEL_FP8_FIX_EXIT_GRACE"
 DEFAULT_GRACE_S = 0.2
+TASKS = "/proc/self/task"  # this process's threads (Linux)
+WORKER_NAME = "pt_gloo_runloop"  # ProcessGroupGloo::runLoop's thread name (c10::setThreadName)
+SETTLE_S = 0.01  # one GIL-free interval between two looks at the workers
+SETTLED_LOOKS = 2  # consecutive unchanged intervals that make a worker parked
 
 _lock = threading.Lock()
 _registered = False
@@ -114,34 +141,112 @@ def destroy_at_exit() -> str:
         return "skipped: fork-launched"
     if _failing_exit():
         return "skipped: unhandled exception"
+    deadline = time.monotonic() + _timeout()
     errors: list[BaseException] = []
 
-    def destroy():
+    def drain_and_destroy():
         try:
+            _drain_gloo_groups(dist, deadline)
             dist.destroy_process_group()
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
     try:
-        worker = threading.Thread(target=destroy, name="accel_fp8_fix-destroy-process-group", daemon=True)
+        worker = threading.Thread(target=drain_and_destroy, name="accel_fp8_fix-destroy-process-group", daemon=True)
         worker.start()
-    except RuntimeError:  # Python >= 3.12 refuses new threads once finalization began: destroy inline
-        destroy()
+    except RuntimeError:  # Python >= 3.12 refuses new threads once finalization began: run inline
+        drain_and_destroy()
     else:
-        worker.join(_timeout())  # the GIL is released while waiting: workers finishing a collective can decref
+        worker.join(_left(deadline))  # the GIL is released while waiting: workers finishing a collective can decref
         if worker.is_alive():
             logger.warning(
                 "accel_fp8_fix: destroying the process group at exit did not finish within %ss (%s); "
                 "left to interpreter teardown", _timeout(), TIMEOUT_ENV)
             return "timed out"
-    # destroy_process_group() joins gloo's worker threads only if it drops the last reference to the group; FSDP2's
-    # state and DeviceMesh objects usually still hold it, so a worker may still be releasing the tensors of the
-    # last collective (it needs the GIL for that). Give it the GIL, without the interpreter finalizing, first.
-    time.sleep(_grace())
+    workers = wait_for_gloo_workers(deadline)
+    if workers == "busy":
+        logger.warning("accel_fp8_fix: gloo's worker threads were still busy %ss after the exit handler began (%s); "
+                       "left to interpreter teardown", _timeout(), TIMEOUT_ENV)
     if errors:
-        logger.debug("accel_fp8_fix: destroy_process_group at exit failed: %r", errors[0])
+        logger.debug("accel_fp8_fix: draining / destroying the process groups at exit failed: %r", errors[0])
         return f"skipped: {type(errors[0]).__name__}"
     return "destroyed"
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)
+
+
+def _drain_gloo_groups(dist, deadline: float) -> None:
+    """A barrier on every gloo group this rank belongs to, all issued before any is waited for; each waited up to
+    the deadline. A group whose barrier fails or times out (a peer gone) is logged and left to the destroy."""
+    from ..distributed.collectives import barrier_async
+    from ..internals import torch_internals
+
+    works = []
+    for group in torch_internals.process_groups():
+        try:
+            if dist.get_backend(group) != "gloo":
+                continue
+            works.append(barrier_async(group))
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("accel_fp8_fix: exit barrier on a process group not issued: %r", exc)
+    for work in works:
+        try:
+            work.wait(timeout=timedelta(seconds=max(_left(deadline), 0.001)))
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("accel_fp8_fix: a process group's exit barrier did not complete (%s): a peer may have "
+                           "failed or not reached its exit; its collectives are left to teardown", exc)
+
+
+def _workers() -> dict[str, tuple[str, str, str]] | None:
+    """{thread id: (state, voluntary, involuntary context switches)} of this process's gloo worker threads; None
+    without ``/proc``. A thread that ends while being read is left out."""
+    try:
+        tids = os.listdir(TASKS)
+    except OSError:
+        return None
+    found = {}
+    for tid in tids:
+        try:
+            with open(f"{TASKS}/{tid}/comm") as comm:
+                if comm.read().strip() != WORKER_NAME:
+                    continue
+            with open(f"{TASKS}/{tid}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+        except OSError:
+            continue
+        found[tid] = tuple(_first_word(fields.get(key, ""))
+                           for key in ("State", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
+    return found
+
+
+def _first_word(text: str) -> str:
+    words = text.split()
+    return words[0] if words else ""
+
+
+def wait_for_gloo_workers(deadline: float) -> str:
+    """Wait, GIL released, until every gloo worker thread is parked: asleep (``S``) with unchanged context-switch
+    counters over ``SETTLED_LOOKS`` consecutive ``SETTLE_S`` intervals. Returns ``parked: N`` (N workers), ``busy``
+    (the deadline came first), or ``grace`` (no ``/proc``: held ``ACCEL_FP8_FIX_EXIT_GRACE`` seconds instead)."""
+    last = _workers()
+    if last is None:
+        time.sleep(min(_grace(), _left(deadline)))
+        return "grace"
+    settled = 0
+    while True:
+        if not last:
+            return "parked: 0"
+        if _left(deadline) <= 0:
+            return "busy"
+        time.sleep(SETTLE_S)
+        now = _workers() or {}
+        asleep = all(state == "S" for state, _, _ in now.values())
+        settled = settled + 1 if now == last and asleep else 0
+        if settled >= SETTLED_LOOKS:
+            return f"parked: {len(now)}"
+        last = now
 
 
 def _grace() -> float:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("torch_fsdp2", "torch_internals", "transformers_tp", "accelerate_internals", "transformer_engine")
+MODULES = ("torch_fsdp2", "torch_internals", "torch_context_parallel", "transformers_tp", "accelerate_internals",
+           "transformer_engine")
 # the distributions whose installed versions check() needs (the engine reads them once, from metadata)
 DISTRIBUTIONS = ("accelerate", "torch", "transformers", "transformer-engine")
 
@@ -121,5 +122,5 @@ def check(names, versions) -> list[str]:
         if name not in MODULES:
             problems.append(f"unknown internals module {name!r} (known: {', '.join(MODULES)})")
             continue
-        problems += importlib.import_module(f"{__name__}.{name}").check(versions)
+        problems += importlib.import_module(f"{__name__}.{name}").check(versions)  # a loaded one: from sys.modules
     return problems

@@ -12,6 +12,8 @@ globals a torch pickle names.
 - ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointWrapper`` (accelerate's FSDP2
   ``activation_checkpointing``; its ``checkpoint_fn``);
 - ``torch.distributed.distributed_c10d._get_default_store()`` (the default group's key-value store);
+- ``torch.distributed.distributed_c10d._world.pg_map``: every process group this rank belongs to (the exit
+  handler drains each gloo group before destroying them, ``fixes/clean_exit.py``);
 - ``torch._utils._rebuild_tensor_v2`` / ``torch.storage._load_from_bytes``: the globals a pickled tensor names
   (TE's extra state), for a restricted unpickler.
 """
@@ -31,6 +33,8 @@ _SOURCES = (
     ("distributed/algorithms/_checkpoint/checkpoint_wrapper.py", "class CheckpointWrapper("),
     ("distributed/algorithms/_checkpoint/checkpoint_wrapper.py", "self.checkpoint_fn"),
     ("distributed/distributed_c10d.py", "def _get_default_store("),
+    ("distributed/distributed_c10d.py", "def pg_map(self)"),
+    ("distributed/distributed_c10d.py", "_world = _World()"),
     ("_utils.py", "def _rebuild_tensor_v2("),
     ("storage.py", "def _load_from_bytes("),
 )
@@ -107,6 +111,14 @@ def default_store():
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+def process_groups() -> list:
+    """Every process group this rank belongs to (the default group and every subgroup: DeviceMesh's, TP's, the
+    package's own), in creation order."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
 
 
 def pickled_tensor_globals(load_storage) -> dict:

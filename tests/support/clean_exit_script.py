@@ -28,6 +28,8 @@ def main() -> None:
     model = Qwen2ForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
+    te_modules = sum(type(m).__module__.startswith("transformer_engine") for m in model.modules())
+    accelerator.print(f"mixed precision {accelerator.mixed_precision}, te modules {te_modules}")
     for step in range(args.steps):
         ids = torch.randint(0, 128, (2, 16))
         loss = model(input_ids=ids, labels=ids).loss

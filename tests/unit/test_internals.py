@@ -82,6 +82,20 @@ def test_a_missing_torch_internal_is_named_with_the_torch_version(monkeypatch):
         f"torch {VERSIONS['torch']}: internal 'class _StateRenamed' is gone from torch/distributed/_composable_state.py"]
 
 
+def test_a_changed_context_parallel_internal_is_named_and_refuses_the_rehearsal_set(monkeypatch):
+    from accel_fp8_fix.engine.declarations import load_patch_sets
+    from accel_fp8_fix.internals import torch_context_parallel
+
+    (rehearsal,) = [s for s in load_patch_sets() if s.kind == "rehearsal"]
+    assert "torch_context_parallel" in rehearsal.internals  # checked whenever the rehearsal is applied
+    assert torch_context_parallel.check(VERSIONS) == []
+    monkeypatch.setattr(torch_context_parallel, "_SOURCES", (
+        ("distributed/tensor/experimental/_context_parallel/_attention.py", "\ncustom_ops_renamed = {\n"),))
+    assert internals.check(rehearsal.internals, VERSIONS) == [
+        f"torch {VERSIONS['torch']}: internal '\\ncustom_ops_renamed = {{\\n' is gone from "
+        "torch/distributed/tensor/experimental/_context_parallel/_attention.py"]
+
+
 def test_torch_internals_recognise_what_they_name():
     from torch.distributed.tensor import Shard
 
