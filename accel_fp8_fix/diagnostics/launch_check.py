@@ -116,6 +116,9 @@ def check_launch_config(path: str, versions: dict | None = None, environ: dict |
         "install versions inside a supported window (accel-fp8-fix doctor lists them)"))
     verdict.checks.append(_te_check(versions, rehearsal))
     verdict.checks += _layout_checks(cfg)
+    cp = _cp_check(cfg, exported)
+    if cp is not None:
+        verdict.checks.append(cp)
     if cfg.get("use_cpu") and not rehearsal:
         verdict.checks.append(Check(
             "device", False, f"use_cpu: true without {settings.REHEARSAL}=1: Transformer Engine needs a GPU",
@@ -218,6 +221,33 @@ def _layout_checks(cfg: dict) -> list[Check]:
         checks.append(Check("FSDP shard dim", False, "FSDP with parallelism sizes but dp_shard 1 and cp 1: nothing "
                             "for FSDP to shard across", "parallelism_config_dp_shard_size: 2  (at least 2)"))
     return checks
+
+
+def _cp_check(cfg: dict, environ: dict):
+    """With ``parallelism_config_cp_size > 1``: the sequence multiple every CP step needs (A23, fixes/context_parallel.py)
+    for the configured recipe — what the config says; the lengths themselves are checked at each step. None without
+    CP."""
+    from ..fixes import recipes
+    from ..fixes.context_parallel import pad_multiple, token_multiple_of
+
+    cp = _int((cfg.get("parallelism_config") or {}).get("parallelism_config_cp_size"))
+    if cp <= 1:
+        return None
+    fp8 = str(cfg.get("mixed_precision", "no")).lower() == "fp8"
+    multiple, why = pad_multiple(cp, 1), f"cp {cp} x 2"
+    if fp8:
+        try:  # as the recipe check reads it
+            choice, setting, fields = recipes.settings_from_env(environ)
+            mxfp8 = bool(fields.pop("use_mxfp8_block_scaling", False))
+            fields.pop("use_autocast_during_eval", None)
+            name = recipes.check_settings(choice, setting, fields, mxfp8)[0]
+        except ValueError:  # reported by the recipe check
+            name = "delayed"
+        tokens = token_multiple_of(recipes.RECIPES[name][0])
+        multiple, why = pad_multiple(cp, tokens), f"cp {cp} x the {name} recipe's FP8 token multiple {tokens}"
+    return Check("context parallelism", True,
+                 f"cp {cp}: pad every sequence to a multiple of {multiple} ({why}), pass input_ids, shift_labels and "
+                 "position_ids as maybe_context_parallel buffers and no attention mask (README 'Context parallelism')")
 
 
 def _process_count_check(processes: int, sizes: dict) -> Check:

@@ -1,8 +1,10 @@
-"""Context parallelism on CPU (issue 31 item 1): the rehearsal's CPU ring attention (``rehearsal/context_parallel.py``)
+"""Context parallelism on CPU (issue 31 items 1 and 3): the rehearsal's CPU ring attention (``rehearsal/context_parallel.py``)
 puts the CPU flash-attention kernel into torch's CP handler table, so ``context_parallel`` runs torch's own ring on
 gloo ranks. Before it, the first SDPA inside the context failed: "Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered".
-CP attention must equal the same attention unsharded, forward and backward."""
+CP attention must equal the same attention unsharded, forward and backward. With FP8 through the package (FSDP2
+dp_shard 2 x cp 2, 4 ranks), CP's shape rules are refused by name when accelerate's ``maybe_context_parallel`` is
+entered (A23, ``fixes/context_parallel.py``)."""
 
 import pytest
 
@@ -44,3 +46,31 @@ def test_cp_attention_with_a_mask_is_refused_by_name(two):
     for f in scenarios.plan_facts(two, PLAN, "sc_ring_attention_refuses_a_mask"):
         assert f["error"] is not None and "accel_fp8_fix rehearsal: CPU ring attention with an attention mask" in \
             f["error"], f["error"]
+
+
+FP8_PLAN = [("sc_fsdp2_cp_fp8_shapes", {})]
+
+
+@pytest.fixture(scope="module")
+def four_fp8():
+    results = scenarios.launch(cp_scenarios, FP8_PLAN, 4, env=scenarios.ENV_FIXED)
+    return scenarios.plan_facts(results, FP8_PLAN, "sc_fsdp2_cp_fp8_shapes")
+
+
+def test_fsdp2_cp_fp8_trains_and_refuses_the_shapes_cp_cannot_cut_by_name(four_fp8):
+    for f in four_fp8:
+        assert "scenario_error" not in f, f.get("scenario_error", "") + "\n" + "\n".join(f.get("traceback", []))
+        assert f["mesh"]["dim_names"] == ["dp_shard", "cp"] and f["fp8_enabled"] and f["te_modules"] == 14
+        good, uneven, fp8_rule, balancer_off = f["cases"]
+        assert good["error"] is None and good["warnings"] == [], "\n".join([str(good["error"])] + good.get("traceback", []))
+        assert all(0 < loss < 10 for loss in good["losses"]) and len(good["norms"]) == 1
+        assert uneven["error"].startswith("ValueError: accel_fp8_fix: maybe_context_parallel: buffer 0 (shape "
+                                          "[2, 31]) has sequence length 31 on dim 1, not divisible by cp_size 2")
+        assert "pad every sequence to a multiple of 32 (cp_size 2 x the FP8 token multiple 16" in uneven["error"]
+        assert fp8_rule["error"].startswith("ValueError: accel_fp8_fix: maybe_context_parallel: buffer 0 (shape "
+                                            "[1, 36]) leaves each CP rank 18 tokens"), fp8_rule["error"]
+        assert balancer_off["error"] is None and len(balancer_off["losses"]) == 1
+    # the clipped norm is the mesh's: one value on every rank
+    assert len({f["cases"][0]["norms"][0] for f in four_fp8}) == 1
+    rank0 = four_fp8[0]["cases"][3]["warnings"]  # warnings speak on rank 0
+    assert any("sequence length 34 is not a multiple of 2 x cp_size = 4" in w for w in rank0), rank0

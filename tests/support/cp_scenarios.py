@@ -91,4 +91,63 @@ def sc_ring_attention_refuses_a_mask(rank, world_size):
     return {"error": None}
 
 
+def sc_fsdp2_cp_fp8_shapes(rank, world_size, cases=((2, 64), (2, 31), (1, 36), (16, 34)), steps=1):
+    """accelerate FSDP2 (dp_shard 2) x CP 2 + FP8 through the package on a tiny Llama (SDPA attention), one prepare,
+    then per ``(batch, sequence)`` case ``steps`` training steps through ``maybe_context_parallel`` with
+    ``input_ids``, ``shift_labels`` and ``position_ids`` as CP buffers (what a CP run passes). Facts per case: the
+    error (type: message) or the losses and clipped-grad norms, and the warnings raised."""
+    import warnings
+
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, TERecipeKwargs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    scenarios.reset_accelerate()
+    scenarios.ensure_te_on_cpu()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin,
+                      parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2),
+                      kwargs_handlers=[TERecipeKwargs(fp8_format="HYBRID", amax_history_len=16,
+                                                      amax_compute_algo="max")])
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    facts = {"mesh": scenarios.mesh_facts(acc.torch_device_mesh), "fp8_enabled": acc.accel_fp8_fix.fp8_enabled,
+             "te_modules": len(acc.accel_fp8_fix.conversion.te_modules), "cases": []}
+    generator = torch.Generator().manual_seed(1)
+    dp_rank = acc.torch_device_mesh["dp_shard"].get_local_rank()
+    for batch, seq in cases:
+        case = {"batch": batch, "seq": seq, "error": None, "losses": [], "norms": [], "warnings": []}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                for _ in range(steps):
+                    ids = torch.randint(0, 128, (2, batch, seq), generator=generator)[dp_rank]
+                    labels = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], dim=1)
+                    positions = torch.arange(seq).expand(batch, seq).clone()
+                    buffers = [ids, labels, positions]
+                    with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                                    no_restore_buffers=set(buffers)):
+                        loss = model(input_ids=ids, labels=labels, shift_labels=labels, position_ids=positions).loss
+                        acc.backward(loss)
+                    case["norms"].append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
+                    opt.step()
+                    opt.zero_grad()
+                    case["losses"].append(loss.item())
+            except Exception as exc:  # noqa: BLE001
+                import traceback
+
+                case["error"] = scenarios.err(exc)
+                case["traceback"] = traceback.format_exc().splitlines()[-12:]
+        case["warnings"] = [str(w.message) for w in caught if "accel_fp8_fix" in str(w.message)]
+        facts["cases"].append(case)
+    return facts
+
+
 LAUNCH = {"env": scenarios.ENV_REHEARSAL, "timeout": 200.0, "collective_timeout": 60.0}

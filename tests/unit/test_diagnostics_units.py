@@ -329,3 +329,23 @@ def test_a_failing_on_error_hook_never_replaces_the_error():
     spec = PatchSpec(target="m:f", notes="f")
     with pytest.raises(ValueError, match="user error"):
         with_hooks(spec, None, on_error=broken_hook)(wrapped, None, (), {})
+
+
+def test_doctor_launch_names_the_sequence_multiple_a_cp_config_needs_for_its_recipe(tmp_path):
+    cp = {"parallelism_config_dp_shard_size": 2, "parallelism_config_cp_size": 2}
+    env = {"ACCEL_FP8_FIX_REHEARSAL": "1"}
+
+    def cp_check(**changes):
+        verdict = check_launch_config(_config(tmp_path, **changes), environ=env)
+        found = [c for c in verdict.checks if c.name == "context parallelism"]
+        return verdict, (found[0].detail if found else None)
+
+    verdict, detail = cp_check(parallelism_config=cp)
+    assert verdict.ok, str(verdict)
+    assert detail.startswith("cp 2: pad every sequence to a multiple of 32 (cp 2 x the delayed recipe's FP8 token "
+                             "multiple 16)"), detail
+    mxfp8 = {"backend": "TE", "accel_fp8_fix": True, "recipe": "mxfp8"}
+    assert "multiple of 64 (cp 2 x the mxfp8 recipe's FP8 token multiple 32)" in cp_check(
+        parallelism_config=cp, fp8_config=mxfp8)[1]
+    assert "multiple of 4 (cp 2 x 2)" in cp_check(parallelism_config=cp, mixed_precision="bf16")[1]
+    assert cp_check()[1] is None  # no CP in the demo's dp_shard x tp config

@@ -172,3 +172,69 @@ def test_fp8_shape_rule_is_checked_on_the_tp_local_shard():
     assert local_dims(64, 48, "column", 2) == (64, 24) and not local_dims_fit(64, 24)
     assert local_dims(96, 64, "row", 2) == (48, 64) and local_dims_fit(48, 64)
     assert local_dims(64, 64, "row", 8) == (8, 64) and not local_dims_fit(8, 64)
+
+
+# -- A23: context parallelism's shape rules (fixes/context_parallel.py) ----------------------------------------
+def test_cp_pad_multiple_keeps_shards_even_the_balancer_on_and_the_fp8_rule_for_any_batch():
+    from accel_fp8_fix.fixes.context_parallel import check_buffers, pad_multiple
+
+    from accel_fp8_fix.fixes.context_parallel import token_multiple_of
+
+    assert [token_multiple_of(c) for c in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+                                           "NVFP4BlockScaling", "MXFP8BlockScaling")] == [16, 16, 16, 16, 32]
+    assert pad_multiple(2, 16) == 32 and pad_multiple(4, 32) == 128 and pad_multiple(2, 1) == 4
+    for cp, m in ((2, 16), (4, 16), (2, 32), (4, 32)):
+        length = pad_multiple(cp, m)
+        assert length % (2 * cp) == 0
+        for batch in (1, 2, 3):
+            assert check_buffers([torch.zeros(batch, length)], [1], cp, m) == []
+
+
+def test_cp_shape_rules_name_the_buffer_its_shape_cp_size_and_the_pad_multiple():
+    from accel_fp8_fix.fixes.context_parallel import check_buffers
+
+    ids, labels = torch.zeros(2, 30, dtype=torch.long), torch.zeros(2, 30, dtype=torch.long)
+    (uneven,) = check_buffers([ids, labels[:, :28]], [1, 1], 4, None)[:1]
+    assert uneven.startswith("buffer 0 (shape [2, 30]) has sequence length 30 on dim 1, not divisible by cp_size 4")
+    assert "pad every sequence to a multiple of 8 (cp_size 4 x 2" in uneven
+    assert any("sequence lengths differ ([30, 28])" in p for p in check_buffers([ids, labels[:, :28]], [1, 1], 2, None))
+    fp8 = check_buffers([torch.zeros(1, 36)], [1], 2, 16)  # 18 tokens per CP rank
+    assert fp8 == ["buffer 0 (shape [1, 36]) leaves each CP rank 18 tokens (batch x sequence / cp_size 2), not a "
+                   "multiple of 16: Transformer Engine's FP8 GEMMs need it per rank (the recipe's rule and cuBLASLt's "
+                   "FP8 leading dimension in the weight-gradient GEMM): pad every sequence to a multiple of 32 "
+                   "(cp_size 2 x the FP8 token multiple 16, e.g. the collator's pad_to_multiple_of=32), and pass no "
+                   "attention mask under CP"]
+    assert check_buffers([torch.zeros(8, 34)], [1], 2, 16)[0].startswith("buffer 0 (shape [8, 34]) leaves each CP "
+                                                                         "rank 136 tokens")  # 8 x 17: % 8, not % 16
+    assert check_buffers([torch.zeros(1, 36)], [1], 2, None) == []  # FP8 off: only CP's own rule
+    assert check_buffers([ids], [2], 2, None) == ["buffer 0 (shape [2, 30]) has no sequence dim 2"]
+    assert check_buffers([ids, labels], [1], 2, None)[0].startswith("2 buffers but 1 buffer_seq_dims")
+
+
+def test_cp_wrapper_checks_only_with_cp_on_and_warns_when_the_balancer_would_be_off(monkeypatch):
+    from accel_fp8_fix.fixes import context_parallel
+
+    calls, warned = [], []
+    monkeypatch.setattr(context_parallel, "warn_user", warned.append)
+
+    def stock(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "context"
+
+    cp_on = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=True, cp_backend="torch", cp_size=2),
+                            accel_fp8_fix=SimpleNamespace(fp8_enabled=True, recipe=None))
+    off = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=False, cp_size=1))
+    bad = [torch.zeros(2, 31)]
+    assert context_parallel.maybe_context_parallel(stock, off, (), {"buffers": bad, "buffer_seq_dims": [1]}) == "context"
+    try:
+        context_parallel.maybe_context_parallel(stock, cp_on, (bad, [1]), {})
+    except ValueError as exc:
+        assert str(exc).startswith("accel_fp8_fix: maybe_context_parallel: buffer 0 (shape [2, 31])"), exc
+    else:
+        raise AssertionError("an uneven CP length was not refused")
+    assert len(calls) == 1  # refused before torch shards anything
+    balanced_off = [torch.zeros(16, 34)]  # 34 % 2 == 0, 34 % 4 != 0; 16 x 17 tokens per rank: FP8-fit
+    assert context_parallel.maybe_context_parallel(stock, cp_on, (balanced_off, [1]), {}) == "context"
+    assert len(warned) == 1 and "sequence length 34 is not a multiple of 2 x cp_size = 4" in warned[0]
+    assert context_parallel.maybe_context_parallel(stock, cp_on, ([torch.zeros(2, 32)], [1]), {}) == "context"
+    assert len(warned) == 1 and len(calls) == 3
