@@ -20,7 +20,10 @@ anything (every rank runs the same check on the same shapes: no rank raises alon
   GEMM. Caller must pad.");
 - refused: ``ValueError`` naming the buffer (its index, shape and sequence dim), ``cp_size`` and the pad multiple
   that satisfies all of it for any batch (``cp × lcm(2, token multiple)``);
-- divisible by ``cp`` but not ``2·cp``: a warning, once per process and length (torch's balancer is off).
+- divisible by ``cp`` but not ``2·cp``: a warning, once per process and length (torch's balancer is off) — refused
+  on torch < 2.13, whose ``context_parallel`` builds no balancer for such a length but leaves
+  ``_cp_options.enable_load_balance`` on, so the ring cuts the shards as if balanced and fails (a bare
+  ``AssertionError``; 2.13 sets the option from the balancer it built).
 """
 
 from __future__ import annotations
@@ -110,11 +113,29 @@ def maybe_context_parallel(wrapped, instance, args, kwargs):
         raise ValueError("accel_fp8_fix: maybe_context_parallel: " + "; ".join(problems))
     if buffers:
         length = buffers[0].shape[seq_dims[0]]
+        if length % (2 * cp_size) and not balancer_follows_length():
+            raise ValueError(
+                f"accel_fp8_fix: maybe_context_parallel: sequence length {length} is not a multiple of 2 x cp_size = "
+                f"{2 * cp_size}: torch {_torch_version()}'s context parallelism then runs its causal load balancer's "
+                f"chunking without a balancer and fails (fixed in torch 2.13); pad to a multiple of {2 * cp_size}")
         if length % (2 * cp_size):  # warn_user says it once per process
             warn_user(f"accel_fp8_fix: maybe_context_parallel: sequence length {length} is not a multiple of "
                       f"2 x cp_size = {2 * cp_size}: torch turns its causal load balancer off (rank {cp_size - 1} "
                       f"gets most of the attention work); pad to a multiple of {2 * cp_size}")
     return wrapped(*args, **kwargs)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
+
+
+def balancer_follows_length() -> bool:
+    """torch >= 2.13: ``context_parallel`` turns the load balancer off for a length it cannot balance."""
+    from packaging.version import Version
+
+    return Version(_torch_version()) >= Version("2.13")
 
 
 def _buffers(buffers=None, buffer_seq_dims=None, no_restore_buffers=None):

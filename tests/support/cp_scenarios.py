@@ -77,9 +77,12 @@ def sc_ring_attention_refuses_a_mask(rank, world_size):
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.experimental import context_parallel
 
+    import torch.nn.functional as F
+
     _group()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     q = torch.randn(SHAPE)
+    sdpa = F.scaled_dot_product_attention  # torch < 2.13 does not restore it when the context exits on an error
     try:
         with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
             local = DTensor.from_local(q, mesh, [Shard(2)], run_check=False)
@@ -88,6 +91,12 @@ def sc_ring_attention_refuses_a_mask(rank, world_size):
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(local, local, local, attn_mask=mask)
     except Exception as exc:  # noqa: BLE001
         return {"error": scenarios.err(exc)}
+    finally:
+        if F.scaled_dot_product_attention is not sdpa:
+            from torch.distributed.tensor.experimental._context_parallel._attention import (
+                _disable_context_parallel_dispatcher_impl)
+
+            _disable_context_parallel_dispatcher_impl()
     return {"error": None}
 
 
@@ -118,7 +127,10 @@ def sc_fsdp2_cp_fp8_shapes(rank, world_size, cases=((2, 64), (2, 31), (1, 36), (
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
+    from accel_fp8_fix.fixes.context_parallel import balancer_follows_length
+
     facts = {"mesh": scenarios.mesh_facts(acc.torch_device_mesh), "fp8_enabled": acc.accel_fp8_fix.fp8_enabled,
+             "balancer_follows_length": balancer_follows_length(),
              "te_modules": len(acc.accel_fp8_fix.conversion.te_modules), "cases": []}
     generator = torch.Generator().manual_seed(1)
     dp_rank = acc.torch_device_mesh["dp_shard"].get_local_rank()
@@ -148,6 +160,32 @@ def sc_fsdp2_cp_fp8_shapes(rank, world_size, cases=((2, 64), (2, 31), (1, 36), (
         case["warnings"] = [str(w.message) for w in caught if "accel_fp8_fix" in str(w.message)]
         facts["cases"].append(case)
     return facts
+
+
+def cp_collectives(rank, world_size, plant=False):
+    """The collectives this rank's recorder saw while one causal CP attention ran forward and backward (torch's
+    ring: K/V rotation, the gradients' rotation), as (kind, group, dtype, numel). ``plant``: rank 1 then runs one
+    more CP forward that rank 0 does not — a divergence NCCL would hang on (gloo hangs too)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from accel_fp8_fix.testing import collective_order
+
+    _group()
+    recorder = collective_order._installed["recorder"]
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    q, k, v = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    before = len(recorder.records)
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        leaf = q.detach().clone().requires_grad_()
+        F.scaled_dot_product_attention(leaf, k, v, is_causal=True).sum().backward()
+        if plant and rank == 1:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dist.barrier()
+    return [(r.kind, r.group, r.dtype, r.numel) for r in recorder.records[before:]]
 
 
 LAUNCH = {"env": scenarios.ENV_REHEARSAL, "timeout": 200.0, "collective_timeout": 60.0}

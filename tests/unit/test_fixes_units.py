@@ -238,3 +238,11 @@ def test_cp_wrapper_checks_only_with_cp_on_and_warns_when_the_balancer_would_be_
     assert len(warned) == 1 and "sequence length 34 is not a multiple of 2 x cp_size = 4" in warned[0]
     assert context_parallel.maybe_context_parallel(stock, cp_on, ([torch.zeros(2, 32)], [1]), {}) == "context"
     assert len(warned) == 1 and len(calls) == 3
+    monkeypatch.setattr(context_parallel, "balancer_follows_length", lambda: False)  # torch 2.11 / 2.12
+    try:
+        context_parallel.maybe_context_parallel(stock, cp_on, (balanced_off, [1]), {})
+    except ValueError as exc:
+        assert "sequence length 34 is not a multiple of 2 x cp_size = 4" in str(exc) and "fixed in torch 2.13" in str(exc)
+    else:
+        raise AssertionError("the balancer-off length was not refused where torch's ring fails on it")
+    assert len(calls) == 3
