@@ -133,6 +133,17 @@ def _libstdcxx_glibcxx() -> str | None:
     return None
 
 
+# what only context parallelism needs beyond FSDP2 / TP (torch's ring rotates K / V and their gradients with
+# all-gathers and all-to-alls: the collective-order audit records both on CPU, tests/distributed/test_context_parallel.py)
+CP_OPS = ("all_to_all_single",)
+
+
+def _ranks_ok(ranks: list[dict], world: int, exclude=()) -> bool:
+    """Every rank answered, initialised, and every probed collective (but ``exclude``) returned the right values."""
+    return bool(ranks) and len(ranks) == world and all(
+        r.get("init") == "ok" and all(v == "ok" for op, v in r["ops"].items() if op not in exclude) for r in ranks)
+
+
 def ranks_probe(run: Run | None, out: Path, world: int = 2) -> dict:
     """torchrun with ``world`` ranks on the one GPU, per backend: which collectives work on CUDA tensors."""
     answers = {}
@@ -156,8 +167,8 @@ def ranks_probe(run: Run | None, out: Path, world: int = 2) -> dict:
                 ops.setdefault(op, set()).add(verdict)
         answers[backend] = {"exit": code, "init": sorted({r.get("init") for r in ranks}) or ["no answer"],
                             "ops": {op: sorted(v)[0] if len(v) == 1 else sorted(v) for op, v in ops.items()},
-                            "all_ok": bool(ranks) and len(ranks) == world and all(
-                                r.get("init") == "ok" and all(v == "ok" for v in r["ops"].values()) for r in ranks)}
+                            "all_ok": _ranks_ok(ranks, world, exclude=CP_OPS),
+                            "cp_ok": _ranks_ok(ranks, world)}
     STATE.mkdir(parents=True, exist_ok=True)
     (STATE / "ranks_probe.json").write_text(json.dumps(answers))
     return answers
@@ -252,10 +263,16 @@ def ranks_runs(run: Run) -> None:
                                    f"failed collectives {failed or 'none reported'}); see ranks_probe and ranks.log")
         return
     fsdp2_tp = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
-    for name, world, parallelism, load in (
-            ("fsdp2", 2, "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n", "build"),
+    fsdp2_cp = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n  parallelism_config_cp_size: 2\n"
+    jobs = [("fsdp2", 2, "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n", "build"),
             ("fsdp2_tp", 4, fsdp2_tp, "build"),
-            ("fsdp2_tp_loaded", 4, fsdp2_tp, "distributed_config")):  # transformers' N-D loading (A18)
+            ("fsdp2_tp_loaded", 4, fsdp2_tp, "distributed_config")]  # transformers' N-D loading (A18)
+    if answers["gloo"].get("cp_ok"):
+        jobs.append(("fsdp2_cp", 4, fsdp2_cp, "build"))  # FSDP2 x CP inside maybe_context_parallel (functional)
+    else:
+        run.stage("ranks_fsdp2_cp", skipped="the collectives context parallelism needs beyond FSDP2 "
+                                            f"({', '.join(CP_OPS)}) failed the probe on this GPU over gloo")
+    for name, world, parallelism, load in jobs:
         config = STATE / f"ranks_{name}.yaml"
         config.write_text(RANKS_CONFIG.format(world=world, parallelism=parallelism))
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),

@@ -7,6 +7,9 @@ found working (gloo: CUDA tensors through host memory), before accelerate makes 
 told it is local rank 0 (accelerate would put rank r on cuda:r). Rank 0 prints ``RANKS_RESULT {json}``.
 Usage (gpu_kit.gpu_run does this): accelerate launch --config_file X gpu_kit/ranks_job.py <backend> <steps> [load]
 (load: "build", the model built and TP-sharded here; "distributed_config", loaded N-D by transformers).
+With a ``cp`` dim (FSDP2 x CP) each step runs inside ``accelerator.maybe_context_parallel`` as README "Context
+parallelism" writes it (``input_ids``, ``shift_labels``, ``position_ids`` as buffers): a functional check — loss
+finite and the same global loss on every rank, FP8 state equal — not a throughput figure (the ranks share one GPU).
 """
 
 import os
@@ -100,18 +103,30 @@ def main(backend: str, steps: int, load: str = "build") -> None:
     ids = torch.randint(0, 1024, (4, 64), generator=generator).to(accelerator.device)
     te_modules = [m for m in model.modules() if type(m).__module__.startswith("transformer_engine.")
                   and hasattr(m, "fp8_meta")]
+    cp = "cp" in names and mesh["cp"].size() > 1
     losses, fp8_active = [], []
     for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
+        if cp:
+            batch = ids.clone()
+            shift = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -100)], dim=1)
+            positions = torch.arange(batch.shape[1], device=batch.device).expand_as(batch).clone()
+            buffers = [batch, shift, positions]
+            with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                                    no_restore_buffers=set(buffers)):
+                loss = model(input_ids=batch, labels=shift, shift_labels=shift, position_ids=positions).loss
+                accelerator.backward(loss)
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(accelerator.reduce(loss.detach(), "mean")))
         fp8_active.append(bool(te_modules) and all(m.fp8 for m in te_modules))
     torch.cuda.synchronize()
 
-    states = [None] * world
+    states, rank_losses = [None] * world, [None] * world
     dist.all_gather_object(states, fp8_state(model))
+    dist.all_gather_object(rank_losses, losses)
     if rank == 0:
         unequal = sorted(k for k in states[0] if any(s.get(k) != states[0][k] for s in states[1:]))
         moved = sum(1 for k, v in states[0].items() if k.endswith(".scale") and any(x != 1.0 for x in v))
@@ -123,6 +138,7 @@ def main(backend: str, steps: int, load: str = "build") -> None:
             "distributed_type": str(accelerator.distributed_type), "device": str(accelerator.device),
             "activated_by": report.mode, "patch_set": report.patch_set, "fixes_active": setup is not None,
             "te_modules": len(te_modules), "losses": losses, "losses_finite": all(map(math.isfinite, losses)),
+            "losses_equal_across_ranks": all(r == losses for r in rank_losses), "context_parallel": cp,
             "fp8_active_each_step": fp8_active, "fp8_state_entries": len(states[0]), "scales_moved": moved,
             "equal_fp8_state_across_ranks": not unequal and bool(states[0]), "unequal": unequal[:10],
             "amax_group_ranks": list(setup.amax_group_ranks) if setup is not None else None,

@@ -63,6 +63,11 @@ def main(backend: str, device_type: str = "cuda") -> None:
         dist.broadcast(x, src=0)
         return torch.equal(x, torch.zeros(8, device=device))
 
+    def all_to_all_single():  # context parallelism's "alltoall" rotation (and expert dispatch)
+        out = torch.empty(2 * world, device=device)
+        dist.all_to_all_single(out, torch.full((2 * world,), float(rank), device=device))
+        return torch.equal(out, torch.arange(world, device=device).float().repeat_interleave(2))
+
     def all_gather_list():
         outs = [torch.empty(8, device=device) for _ in range(world)]
         dist.all_gather(outs, torch.full((8,), float(rank), device=device))
@@ -78,7 +83,7 @@ def main(backend: str, device_type: str = "cuda") -> None:
                           ("reduce_scatter_tensor", reduce_scatter_tensor),
                           ("reduce_scatter_tensor_avg", reduce_scatter_tensor_avg),
                           ("all_gather_into_tensor_bf16", all_gather_into_tensor_bf16), ("broadcast", broadcast),
-                          ("all_gather", all_gather_list)):
+                          ("all_gather", all_gather_list), ("all_to_all_single", all_to_all_single)):
             attempt(name, run)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""Context parallelism's shape rules, named when the CP context is entered (A30 in docs/failures.md).
+"""Context parallelism's shape rules, named when the CP context is entered (A23 in docs/failures.md).
 
 accelerate's ``maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers)`` opens torch's
 ``context_parallel`` on the ``cp`` mesh dim: every buffer's sequence dim is cut into ``cp`` shards in place — with
@@ -24,15 +24,21 @@ anything (every rank runs the same check on the same shapes: no rank raises alon
   on torch < 2.13, whose ``context_parallel`` builds no balancer for such a length but leaves
   ``_cp_options.enable_load_balance`` on, so the ring cuts the shards as if balanced and fails (a bare
   ``AssertionError``; 2.13 sets the option from the balancer it built).
+
+And on torch < 2.13, an exception inside the context (an OOM a script retries, a refusal it catches) leaves torch's CP
+dispatch on — ``F.scaled_dot_product_attention`` still the ring's wrapper for every later call, CP or not — as
+2.11 / 2.12's ``context_parallel`` turns it off after its ``yield`` with no ``finally``; 2.13 has the ``finally``.
+The context returned here turns it off then (``internals.torch_context_parallel``), the exception unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from .._log import warn_user
 
-WGRAD_TOKENS_MULTIPLE = 16  # cuBLASLt FP8: lda % 16; the weight-gradient GEMM's k (its lda on sm89/sm90) = tokens
+from .fp8_shapes import WGRAD_TOKENS_MULTIPLE
 
 
 def pad_multiple(cp_size: int, token_multiple: int) -> int:
@@ -122,7 +128,24 @@ def maybe_context_parallel(wrapped, instance, args, kwargs):
             warn_user(f"accel_fp8_fix: maybe_context_parallel: sequence length {length} is not a multiple of "
                       f"2 x cp_size = {2 * cp_size}: torch turns its causal load balancer off (rank {cp_size - 1} "
                       f"gets most of the attention work); pad to a multiple of {2 * cp_size}")
-    return wrapped(*args, **kwargs)
+    if context_exits_on_error():
+        return wrapped(*args, **kwargs)
+    return _dispatch_off_on_error(wrapped(*args, **kwargs))
+
+
+@contextlib.contextmanager
+def _dispatch_off_on_error(context):
+    """``context`` (accelerate's CP context); when an exception leaves it, CP's dispatch turned off if torch left it
+    on — the ``finally`` torch < 2.13's ``context_parallel`` lacks."""
+    from ..internals import torch_context_parallel
+
+    try:
+        with context:
+            yield
+    except BaseException:
+        if torch_context_parallel.dispatch_left_on():
+            torch_context_parallel.turn_dispatch_off()
+        raise
 
 
 def _torch_version() -> str:
@@ -133,6 +156,13 @@ def _torch_version() -> str:
 
 def balancer_follows_length() -> bool:
     """torch >= 2.13: ``context_parallel`` turns the load balancer off for a length it cannot balance."""
+    from packaging.version import Version
+
+    return Version(_torch_version()) >= Version("2.13")
+
+
+def context_exits_on_error() -> bool:
+    """torch >= 2.13: ``context_parallel`` turns CP's dispatch off in a ``finally``, an exception's exit included."""
     from packaging.version import Version
 
     return Version(_torch_version()) >= Version("2.13")

@@ -6,7 +6,10 @@
 - its ``_templated_ring_attention`` / ``_templated_ring_attention_backward``: the ring (K/V rotation, the causal
   load-balancing chunks, the log-sum-exp merge), generic over the SDPA op it calls per block;
 - DTensor's op dispatcher (``DTensor._op_dispatcher.unwrap_to_op_info`` / ``.wrap``), ``DTensorSpec`` /
-  ``TensorMeta`` and ``_utils.compute_global_tensor_info``: a handler's way from DTensors to local tensors and back.
+  ``TensorMeta`` and ``_utils.compute_global_tensor_info``: a handler's way from DTensors to local tensors and back;
+- ``_replaced_functions`` (the SDPA that ``context_parallel`` swapped in), ``existing_custom_ops`` (DTensor's handlers
+  before CP) and ``_disable_context_parallel_dispatcher_impl``: how ``fixes/context_parallel.py`` tells that a CP
+  context torch < 2.13 left on an exception is still dispatching, and turns it off.
 
 The same texts in torch 2.11.0 to 2.15.0 (read from each release's wheel, 2026-12-04).
 """
@@ -27,6 +30,9 @@ _SOURCES = (
     (_ATTENTION, "\ncustom_ops = {\n"),
     (_ATTENTION, "    DTensor._op_dispatcher._custom_op_handlers = {\n        **existing_custom_ops,\n"
                  "        **custom_ops,\n    }"),
+    (_ATTENTION, "\n_replaced_functions: dict[Callable, tuple[str, Callable]] = {}\n"),
+    (_ATTENTION, "\nexisting_custom_ops = DTensor._op_dispatcher._custom_op_handlers\n"),
+    (_ATTENTION, "\ndef _disable_context_parallel_dispatcher_impl() -> None:\n"),
     ("distributed/tensor/_dispatch.py", "    def unwrap_to_op_info(\n"),
     ("distributed/tensor/_dispatch.py", "    def wrap(res: object, spec: OutputSpecType) -> object:"),
     ("distributed/tensor/_utils.py", "compute_global_tensor_info = "),
@@ -87,3 +93,21 @@ def wrap_like(local_results, mesh, placements):
         specs.append(DTensorSpec(mesh, tuple(placements),
                                  tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype)))
     return DTensor._op_dispatcher.wrap(tuple(local_results), tuple(specs))
+
+
+def dispatch_left_on() -> bool:
+    """Whether CP's dispatch is on outside any CP context: ``F.scaled_dot_product_attention`` is the wrapper
+    ``context_parallel`` swapped in, or DTensor's custom handlers are not the ones from before CP."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return (F.scaled_dot_product_attention in _attention._replaced_functions
+            or DTensor._op_dispatcher._custom_op_handlers is not _attention.existing_custom_ops)
+
+
+def turn_dispatch_off() -> None:
+    """What ``context_parallel`` runs when its context exits normally: SDPA restored, DTensor's handlers restored."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    _attention._disable_context_parallel_dispatcher_impl()

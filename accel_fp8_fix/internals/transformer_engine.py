@@ -221,6 +221,22 @@ def device_compute_capability() -> tuple[int, int]:
     return get_device_compute_capability()
 
 
+def fp8_gemms_tn_only() -> bool:
+    """Whether this GPU's FP8 GEMMs take only the TN layout (sm89, sm90, sm120: TE's
+    ``is_non_tn_fp8_gemm_supported()`` false), so every FP8 operand's leading dimension is the GEMM's k — in the
+    weight-gradient GEMM, the tokens. True where no device answers, or on a TE without the function (the stricter
+    rule)."""
+    from transformer_engine.pytorch import utils
+
+    supported = getattr(utils, "is_non_tn_fp8_gemm_supported", None)  # TE 2.x; older TEs ran TN-only GPUs
+    if supported is None:
+        return True
+    try:
+        return not supported()
+    except (RuntimeError, AssertionError):  # no usable CUDA device
+        return True
+
+
 def fp8_checkpoint(function, *args, **kwargs):
     """``transformer_engine.pytorch.distributed.checkpoint``: recompute under the forward's FP8 recipe."""
     from transformer_engine.pytorch.distributed import checkpoint

@@ -8,13 +8,14 @@
 * FP8 GEMMs observed: every TE GEMM of a training step takes FP8 operands, and cuBLAS runs FP8 kernels
   (``torch.profiler`` kernel names).
 * Token counts: which per-rank token counts TE's FP8 GEMMs accept and which they refuse, against the
-  package's rule (``accel_fp8_fix.fixes.fp8_shapes``: a multiple of 8) and its own check's message.
+  package's rule (``accel_fp8_fix.fixes.fp8_shapes``: a multiple of 8, 16 in training on TN-only FP8 GEMMs) and its own check's message.
 
 Skipped without CUDA, real TE or FP8 support (tests/support/real_te.py says why).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -202,25 +203,37 @@ def test_token_counts_te_fp8_gemms_accept_and_refuse_match_the_package_rule(sing
     from transformer_engine.common.recipe import DelayedScaling, Format
 
     from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.fp8_shapes import FP8_LEADING_MULTIPLE, install_token_check
+    from accel_fp8_fix.fixes.fp8_shapes import FP8_LEADING_MULTIPLE, WGRAD_TOKENS_MULTIPLE, install_token_check
+    from accel_fp8_fix.internals.transformer_engine import fp8_gemms_tn_only
 
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)
-    verdicts = {}
+    # training (forward + backward): TN-only FP8 GEMMs (Hopper) put the tokens in the weight-gradient GEMM's
+    # leading dimension, which cuBLASLt wants a multiple of 16; any layout (Blackwell): TE's forward rule, 8
+    multiple = math.lcm(FP8_LEADING_MULTIPLE, WGRAD_TOKENS_MULTIPLE) if fp8_gemms_tn_only() else FP8_LEADING_MULTIPLE
+    verdicts, package = {}, {}
     for tokens in (4, 8, 12, 16, 20, 24, 40, 48):
-        linear = te.Linear(64, 64).cuda()
-        try:
-            with te_autocast(te)(True, recipe, None):
-                out = linear(torch.randn(tokens, 64, device="cuda", requires_grad=True))
-            out.float().sum().backward()
-            torch.cuda.synchronize()
-            verdicts[tokens] = "accepted"
-        except Exception as exc:  # noqa: BLE001  (TE's own refusal, whatever its type)
-            verdicts[tokens] = f"refused: {type(exc).__name__}: {str(exc)[:120]}"
-    print("TE FP8 GEMM token verdicts:", verdicts)
-    assert {t: v == "accepted" for t, v in verdicts.items()} == {t: t % FP8_LEADING_MULTIPLE == 0 for t in verdicts}, \
-        verdicts
+        for checked, into in ((False, verdicts), (True, package)):
+            linear = te.Linear(64, 64).cuda()
+            if checked:
+                install_token_check(linear, "blocks.0.fc1")
+            try:
+                with te_autocast(te)(True, recipe, None):
+                    out = linear(torch.randn(tokens, 64, device="cuda", requires_grad=True))
+                out.float().sum().backward()
+                torch.cuda.synchronize()
+                into[tokens] = "accepted"
+            except Exception as exc:  # noqa: BLE001  (TE's own refusal, whatever its type)
+                into[tokens] = f"refused: {type(exc).__name__}: {str(exc)[:120]}"
+    print("TE FP8 GEMM token verdicts (training):", verdicts, "multiple", multiple)
+    assert {t: v == "accepted" for t, v in verdicts.items()} == {t: t % multiple == 0 for t in verdicts}, verdicts
+    # the package refuses exactly those, by name, at the forward (before TE's GEMM)
+    assert {t: v == "accepted" for t, v in package.items()} == {t: t % multiple == 0 for t in package}, package
+    assert all(v.startswith("refused: ValueError: accel_fp8_fix: blocks.0.fc1") for v in package.values()
+               if v != "accepted"), package
     checked = te.Linear(64, 64).cuda()
     install_token_check(checked, "blocks.0.fc1")
+    with torch.no_grad(), te_autocast(te)(True, recipe, None):  # no weight gradient: TE's forward rule only
+        checked(torch.randn(24, 64, device="cuda"))
     with pytest.raises(ValueError, match="blocks.0.fc1"), te_autocast(te)(True, recipe, None):
         checked(torch.randn(12, 64, device="cuda"))
     reset_accelerate()

@@ -204,7 +204,21 @@ def test_rank_probe_expects_what_each_collective_returns(tmp_path):
     assert done.returncode == 0 and len(ranks) == 2, done.stdout[-2000:] + done.stderr[-2000:]
     for result in ranks:
         assert result["init"] == "ok" and result["device"] == "cpu"
-        assert len(result["ops"]) == 8 and set(result["ops"].values()) == {"ok"}, result
+        assert len(result["ops"]) == 9 and set(result["ops"].values()) == {"ok"}, result
+
+
+def test_the_cp_ranks_job_runs_only_where_the_probe_passed_the_collectives_cp_needs():
+    """FSDP2 / TP jobs need the probe's FSDP2 collectives; the FSDP2 x CP job also the all-to-all of torch's ring."""
+    from gpu_kit import gpu_run
+
+    ok = {op: "ok" for op in ("all_reduce", "all_gather_into_tensor", "all_to_all_single")}
+    ranks = [{"init": "ok", "ops": dict(ok)} for _ in range(2)]
+    assert gpu_run._ranks_ok(ranks, 2) and gpu_run._ranks_ok(ranks, 2, exclude=gpu_run.CP_OPS)
+    ranks[1]["ops"]["all_to_all_single"] = "RuntimeError: no all-to-all for CUDA tensors"
+    assert not gpu_run._ranks_ok(ranks, 2) and gpu_run._ranks_ok(ranks, 2, exclude=gpu_run.CP_OPS)
+    ranks[0]["ops"]["all_gather_into_tensor"] = "wrong values"
+    assert not gpu_run._ranks_ok(ranks, 2, exclude=gpu_run.CP_OPS)
+    assert not gpu_run._ranks_ok(ranks[:1], 2)  # a rank that did not answer
 
 
 # -- the benchmark's logic on CPU ---------------------------------------------------------------------------

@@ -30,15 +30,16 @@ DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qw
                  "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer"}
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
     """A tiny fp32 ``*ForCausalLM`` of ``family``: 2 layers, hidden 64, 4 heads (4 KV heads, so TP 4 divides
-    them), head_dim 16 — every GEMM dim a multiple of 16 on each rank, as TE's FP8 GEMMs need."""
+    them), head_dim 16 — every GEMM dim a multiple of 16 on each rank, as TE's FP8 GEMMs need. Context
+    parallelism needs ``attn_implementation="sdpa"``."""
     import torch
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
-                  attn_implementation="eager")
+                  attn_implementation=attn_implementation)
     if family == "llama":
         config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif family == "qwen2":

@@ -214,6 +214,23 @@ def _with_te(rank, world_size):
             out[f"shape_{checked}"] = None
         except ValueError as exc:
             out[f"shape_{checked}"] = str(exc)
+    # A11 in training (Hopper, the default target): 24 tokens, a multiple of 8 but not 16, pass TE's own forward
+    # check; the weight-gradient GEMM of the backward (k = the tokens) is refused by cuBLASLt's FP8 rule
+    out["train24"] = {}
+    for case in ("stock", "checked", "no_grad", "frozen", "forward_only"):
+        module = te.Linear(32, 32)
+        if case != "stock":
+            install_token_check(module, "blocks.0.fc1")
+        if case == "frozen":
+            module.weight.requires_grad_(False)  # no weight gradient: TE skips that GEMM
+        try:
+            with torch.set_grad_enabled(case != "no_grad"), te.autocast(enabled=True, recipe=recipe):
+                y = module(torch.randn(24, 32, requires_grad=True))
+            if case not in ("no_grad", "forward_only"):
+                y.sum().backward()
+            out["train24"][case] = None
+        except (ValueError, RuntimeError) as exc:
+            out["train24"][case] = f"{type(exc).__name__}: {exc}"
     # the other recipe and module the shim covers: current scaling on a Linear, LayerNormMLP (GELU epilogues)
     from transformer_engine.common.recipe import Float8CurrentScaling
 
@@ -329,7 +346,20 @@ def test_a_token_count_fp8_cannot_run_is_named_with_module_shape_and_remedy(with
     assert with_te["shape_False"].startswith("FP8 execution requires")  # TE's own, no module named
     message = with_te["shape_True"]
     assert message.startswith("accel_fp8_fix: blocks.0.fc1 (Linear) got an input of shape [4, 32]")
-    assert "pad_to_multiple_of=8" in message
+    assert "pad_to_multiple_of=16" in message  # grad enabled on Hopper: the training rule (below)
+
+
+def test_a_training_token_count_the_weight_gradient_gemm_cannot_run_is_named_before_te_refuses_it(with_te):
+    """24 tokens a rank (8 mod 16) in training on Hopper: TE's forward runs, then its backward fails in the
+    weight-gradient GEMM with cuBLASLt's rule and no module named. The check refuses it by name when the backward
+    reaches the module; without a weight gradient (no grad, a frozen weight, a forward never run backward) 8 stays
+    enough."""
+    got = with_te["train24"]
+    assert got["stock"] == "RuntimeError: Leading dimension requirement on A for FP8 GEMM. Caller must pad.", got
+    assert got["checked"].startswith("ValueError: accel_fp8_fix: blocks.0.fc1 (Linear) got an input of shape [24, 32]")
+    assert "a multiple of 16 (in training: the weight-gradient GEMM" in got["checked"]
+    assert "pad_to_multiple_of=16" in got["checked"]
+    assert got["no_grad"] is None and got["frozen"] is None and got["forward_only"] is None, got
 
 
 def test_mixed_scaling_modes_are_refused_with_tes_message(with_te):

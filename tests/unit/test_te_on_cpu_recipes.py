@@ -368,6 +368,24 @@ def _on_blackwell(rank, world_size):
         out["fp32_scales_refused"] = None
     except RuntimeError as exc:
         out["fp32_scales_refused"] = str(exc)
+    # per-tensor FP8 in training with 24 tokens (8 mod 16): Blackwell's FP8 GEMMs take any layout, so the
+    # weight-gradient GEMM's leading dimension is not the tokens — TE runs it, and the package's check lets it
+    from transformer_engine.common.recipe import DelayedScaling
+
+    from accel_fp8_fix.fixes.fp8_shapes import install_token_check
+
+    out["train24"] = {}
+    for checked in (False, True):
+        module = te.Linear(32, 32)
+        if checked:
+            install_token_check(module, "blocks.0.fc1")
+        try:
+            with te.autocast(enabled=True, recipe=DelayedScaling()):
+                y = module(torch.randn(24, 32, requires_grad=True))
+            y.sum().backward()
+            out["train24"][str(checked)] = None
+        except (ValueError, RuntimeError) as exc:
+            out["train24"][str(checked)] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -396,6 +414,11 @@ def hopper():
 def blackwell():
     (result,) = launcher.run(_on_blackwell, 1, env={"ACCEL_FP8_FIX_CPU_TE_ARCH": "sm100"}, timeout=180)
     return result
+
+
+def test_training_with_24_tokens_runs_on_blackwell_and_the_token_check_lets_it(blackwell):
+    """The Hopper side (refused: the weight-gradient GEMM's lda is the tokens there) is in test_te_on_cpu.py."""
+    assert blackwell["train24"] == {"False": None, "True": None}, blackwell["train24"]
 
 
 def test_te_decides_support_as_on_the_real_gpus(hopper, blackwell):
