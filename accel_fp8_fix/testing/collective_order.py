@@ -36,6 +36,7 @@ collectives only (autograd's CPU backward runs in it).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import sys
@@ -194,6 +195,15 @@ def _dtensor_type():
     return DTensor
 
 
+def _skip_code():
+    """torch's ``skip_code`` (dynamo never compiles that code object's frames), or None where torch lacks it."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return None
+    return skip_code
+
+
 class CollectiveRecorder(_recorder_base()):
     """A ``TorchDispatchMode`` that appends every collective this thread issues to ``records``.
 
@@ -206,6 +216,18 @@ class CollectiveRecorder(_recorder_base()):
     def __init__(self):
         super().__init__()
         self.records: list[Collective] = []
+        self._dtensor = _dtensor_type()
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False where torch can mark the recorder's frame skipped (``_skip_own_frame``): torch otherwise wraps
+        ``__torch_dispatch__`` in ``torch._disable_dynamo`` (torch/utils/_python_dispatch.py), four eval-frame
+        switches on every op of the run — half of what the recorder cost a training step (docs/testing.md)."""
+        return _skip_code() is None
+
+    def __enter__(self):
+        _skip_own_frame()  # again on every entry: resetting dynamo (the pools do between runs) may forget it
+        return super().__enter__()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -216,13 +238,30 @@ class CollectiveRecorder(_recorder_base()):
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # every op of the run passes here: a plain-tensor op that is no collective leaves after two cheap tests
         kwargs = kwargs or {}
-        if any(issubclass(t, _dtensor_type()) for t in types):
+        if types and any(issubclass(t, self._dtensor) for t in types):
             return NotImplemented  # DTensor handles it with the recorder active: its redistributions are seen
-        record = _describe(func, args, kwargs)
-        if record is not None:
-            self.records.append(record)
+        if getattr(func, "namespace", "") in _NAMESPACES:
+            record = _describe_outside_dynamo()(func, args, kwargs)
+            if record is not None:
+                self.records.append(record)
         return func(*args, **kwargs)
+
+
+def _skip_own_frame() -> None:
+    """Dynamo never compiles the recorder's ``__torch_dispatch__`` frame; what it calls for a collective runs with
+    dynamo off (``_describe_outside_dynamo``); the op itself runs as it would without the recorder."""
+    skip = _skip_code()
+    if skip is not None:
+        skip(CollectiveRecorder.__torch_dispatch__.__code__)
+
+
+@functools.cache
+def _describe_outside_dynamo():
+    import torch
+
+    return torch._disable_dynamo(_describe, recursive=True)
 
 
 # -- comparing ---------------------------------------------------------------------------------------------

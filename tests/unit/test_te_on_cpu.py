@@ -112,6 +112,53 @@ def test_reduced_amax_takes_precedence_over_the_local_one():
     assert scales.tolist() == [112.0, 224.0]  # slot 0 from the reduction buffer, slot 1 (buffer 0) local
 
 
+def _kernel_bulk_one_slot_at_a_time(buffer, histories, scales, algo, fmt, margin):
+    """``delayed_scaling.cu``'s ``kernel_bulk`` as its threads run it, one scale slot each (the shim's own code
+    before it took every slot of a history at once): the reference the shim's update is held to, bit for bit."""
+    fp8_max = {E4M3: 448.0, E5M2: 57344.0}[fmt]
+    scaled_max = torch.tensor(fp8_max, dtype=torch.float32) / (2.0 ** margin)
+    offset = 0
+    for history, scale in zip(histories, scales):
+        h, s = history.view(history.shape[0], -1), scale.view(-1)
+        for c in range(s.numel()):
+            reduced = float(buffer[offset + c]) if buffer is not None else 0.0
+            last = reduced if reduced != 0.0 else float(h[0, c])
+            amax = 0.0
+            if last != 0.0:
+                window = torch.cat([h[1:, c], torch.tensor([last], dtype=h.dtype)])
+                amax = float(torch.where(torch.isnan(window), 0.0, window).max().clamp_min(0.0))
+                h[:, c] = torch.cat([torch.zeros(1, dtype=h.dtype), window[1:]])
+            amax = last if algo == "most_recent" else amax if algo == "max" else 0.0
+            new = (scaled_max / torch.tensor(amax, dtype=torch.float32) if math.isfinite(amax) and amax > 0
+                   else s[c].float())
+            s[c] = torch.tensor(torch.finfo(torch.float32).max) if torch.isinf(new) else new
+        offset += s.numel()
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_the_update_of_every_slot_at_once_equals_the_kernel_one_slot_at_a_time(algo):
+    g = torch.Generator().manual_seed(3)
+    special = torch.tensor([0.0, float("nan"), float("inf"), 1e-45, 3e38, -0.0])
+    for trial in range(40):
+        length = int(torch.randint(1, 5, (1,), generator=g))  # TE's layout: one history length per call
+        shapes = [(length if trial % 2 else int(torch.randint(1, 5, (1,), generator=g)),
+                   int(torch.randint(1, 4, (1,), generator=g))) for _ in range(3)]
+        histories = [torch.rand(shape, generator=g) * 10 for shape in shapes]
+        for h in histories:  # zeros, NaN, inf and denormal amaxes where the kernel branches
+            picks = torch.rand(h.shape, generator=g) < 0.3
+            h[picks] = special[torch.randint(0, len(special), (int(picks.sum()),), generator=g)]
+        scales = [torch.rand(shape[1], generator=g) + 0.5 for shape in shapes]
+        slots = sum(shape[1] for shape in shapes)
+        buffer = None if trial % 5 == 0 else torch.where(torch.rand(slots, generator=g) < 0.5, 0.0,
+                                                           torch.rand(slots, generator=g) * 20)
+        margin, fmt = trial % 3, (E4M3, E5M2)[trial % 2]
+        want_h, want_s = [h.clone() for h in histories], [s.clone() for s in scales]
+        _kernel_bulk_one_slot_at_a_time(buffer, want_h, want_s, algo, fmt, margin)
+        tex.fused_amax_and_scale_update_after_reduction(buffer, histories, scales, algo, fmt, margin)
+        for got, want in zip(histories + scales, want_h + want_s):  # bit for bit, NaN where NaN
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (trial, got, want)
+
+
 def test_current_scaling_scale_from_amax():
     assert tex.scale_from_amax(2.0, 448.0, False, 0.0) == 224.0
     assert tex.scale_from_amax(3.0, 448.0, True, 0.0) == 128.0  # 149.33 with its mantissa cleared

@@ -36,6 +36,7 @@ Counters (``stats()``) count what ran: FP8 and high-precision GEMMs, casts, scal
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import os
 import sys
@@ -367,6 +368,14 @@ def _te_classes():
 def _accepted(cls, kwargs: dict) -> dict:
     """``kwargs`` less the keywords that the installed TE's constructors (``cls`` and its
     ``QuantizedTensor`` base) do not take: they grew ``fake_dtype``, ``device`` and ``stride`` over time."""
+    names = _constructor_keywords(cls)
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+@functools.cache
+def _constructor_keywords(cls) -> frozenset:
+    """The keywords ``cls(...)`` takes, read once per class: ``inspect.signature`` parses a signature text each
+    time, and every quantized tensor the shim makes asked (a third of a training step's time on CPU)."""
     import inspect
 
     names = set()
@@ -378,7 +387,7 @@ def _accepted(cls, kwargs: dict) -> dict:
         names |= {n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             break
-    return {k: v for k, v in kwargs.items() if k in names}
+    return frozenset(names)
 
 
 def _make_float8(quantizer, shape, fake_dtype, data, transpose, scale_inv):
@@ -1639,33 +1648,42 @@ def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer, amax_hist
     _STATS["scale_updates"] += 1
     _, fp8_max = _fp8_info(fp8_dtype)
     scaled_max = torch.tensor(fp8_max, dtype=torch.float32) / (2.0 ** margin)
+    # the kernel's threads, one scale slot each: every slot of every history at once (a [length, slots] matrix),
+    # in as few torch calls as the layout allows — per-call costs, not arithmetic, dominate here
+    histories = [h.view(h.shape[0], -1) for h in amax_histories]
+    scales = [s.view(-1) for s in scales]
+    if not histories:
+        return
+    if len({h.shape[0] for h in histories}) > 1 or len({h.dtype for h in histories + scales}) > 1:
+        groups = [([h], [s]) for h, s in zip(histories, scales)]  # not TE's layout (one recipe, one length)
+    else:
+        groups = [(histories, scales)]
     offset = 0
-    for history, scale in zip(amax_histories, scales):
-        length, num_scale = history.shape[0], history.shape[1] if history.dim() > 1 else 1
-        h = history.view(length, num_scale)
-        s = scale.view(num_scale)
-        for c in range(num_scale):
-            reduced = float(amax_reduction_buffer[offset + c]) if amax_reduction_buffer is not None else 0.0
-            last = reduced if reduced != 0.0 else float(h[0, c])
-            amax = 0.0
-            if last != 0.0:
-                window = torch.cat([h[1:, c], torch.tensor([last], dtype=h.dtype)])
-                window32 = window.float()
-                amax = float(torch.where(torch.isnan(window32), 0.0, window32).max().clamp_min(0.0))
-                h[:, c] = torch.cat([torch.zeros(1, dtype=h.dtype), window[1:]])
-            if amax_compute_algo == "most_recent":
-                amax = last
-            elif amax_compute_algo != "max":
-                amax = 0.0
-            amax_t = torch.tensor(amax, dtype=torch.float32)
-            if math.isfinite(amax) and amax > 0:
-                new = scaled_max / amax_t
-            else:
-                new = s[c].float()
-            if torch.isinf(new):
-                new = torch.tensor(FLT_MAX, dtype=torch.float32)
-            s[c] = new.to(s.dtype)
-        offset += num_scale
+    for hs, ss in groups:
+        h = torch.cat(hs, dim=1) if len(hs) > 1 else hs[0].clone()
+        s = torch.cat(ss) if len(ss) > 1 else ss[0].clone()
+        slots = h.shape[1]
+        local = h[0].float()
+        if amax_reduction_buffer is None:
+            last = local
+        else:
+            reduced = amax_reduction_buffer[offset:offset + slots].float()
+            last = torch.where(reduced != 0, reduced, local)
+        rolls = last != 0  # NaN too, as in the kernel
+        window = torch.cat([h[1:].float(), last.unsqueeze(0)])
+        if amax_compute_algo == "max":
+            amax = torch.where(rolls, torch.where(torch.isnan(window), 0.0, window).amax(0).clamp_min(0.0), 0.0)
+        elif amax_compute_algo == "most_recent":
+            amax = last
+        else:
+            amax = torch.zeros_like(last)
+        rolled = torch.where(rolls, torch.cat([torch.zeros_like(last).unsqueeze(0), window[1:]]), h.float())
+        new = torch.where(torch.isfinite(amax) & (amax > 0), scaled_max / amax, s.float())
+        new = torch.where(torch.isinf(new), torch.tensor(FLT_MAX, dtype=torch.float32), new)
+        widths = [x.shape[1] for x in hs]
+        torch._foreach_copy_(hs, list(rolled.to(h.dtype).split(widths, dim=1)))
+        torch._foreach_copy_(ss, list(new.to(s.dtype).split(widths)))
+        offset += slots
 
 
 def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
