@@ -1,5 +1,6 @@
 """MoE experts in FP8 under FSDP2 / HSDP / FSDP2 x TP (issue 19; fixes/moe_experts.py): Qwen3-MoE and Qwen2-MoE
-(shared expert) prepared by the package, their packed experts on TE grouped GEMMs over views of the sharded 3-D
+(shared expert) — and, FP8 under FSDP2 and FSDP2 x TP, Mixtral, OLMoE and DeepSeek-V3 (latent attention, a shared
+expert, grouped routing; issue 30 item 3) — prepared by the package, their packed experts on TE grouped GEMMs over views of the sharded 3-D
 parameters (TP: transformers' packed_colwise / rowwise local shards inside its moe_tp_experts style), 3 steps
 against the one-process references: an FP8 run (the same conversion, full batch) and, with TE autocast off, plain
 transformers in fp32 (eager experts loop). CPU, gloo, TE's real Python over the CPU shim.
@@ -16,11 +17,15 @@ from support import scenarios
 PLAN_2 = [("sc_moe", {"family": f, "layout": "fsdp2", "fp8": fp8}) for f in moe_scenarios.FAMILIES for fp8 in (True, False)] + [
     ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": fp8}) for fp8 in (True, False)] + [  # TP alone, 2 ranks
     ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": False, "experts": False}),  # transformers' experts, same TP
-    ("sc_proportioned_coverage", {})]
+    ("sc_proportioned_coverage", {})] + [
+    ("sc_moe", {"family": f, "layout": "fsdp2", "fp8": True}) for f in moe_scenarios.MORE_FAMILIES]
 TP_ALONE_OFF = {"family": "qwen3_moe", "layout": "tp", "fp8": False}
 PLAN_4 = [("sc_moe", {"family": f, "layout": layout, "fp8": fp8})
-          for layout in ("hsdp", "fsdp2_tp") for f in moe_scenarios.FAMILIES for fp8 in (True, False)]
-LINEARS_PER_LAYER = {"qwen3_moe": 4, "qwen2_moe": 7}  # q, k, v, o (+ the shared expert's gate, up, down)
+          for layout in ("hsdp", "fsdp2_tp") for f in moe_scenarios.FAMILIES for fp8 in (True, False)] + [
+    ("sc_moe", {"family": f, "layout": "fsdp2_tp", "fp8": True}) for f in moe_scenarios.MORE_FAMILIES]
+# q, k, v, o (+ a shared expert's gate, up, down); DeepSeek-V3's latent attention: q_a, q_b, kv_a, kv_b, o
+LINEARS_PER_LAYER = {"qwen3_moe": 4, "qwen2_moe": 7, "mixtral": 4, "olmoe": 4, "deepseek_v3": 8}
+EXPERT_INTERMEDIATE = {"qwen3_moe": 32, "qwen2_moe": 32, "deepseek_v3": 32, "mixtral": 128, "olmoe": 128}  # I
 EXPERT_GEMMS_PER_STEP = 4 * 2 * 2  # at most: 4 experts x 2 projections x 2 layers, forward
 CASES = [kw for name, kw in PLAN_2 + PLAN_4 if name == "sc_moe" and kw.get("experts", True) and kw != TP_ALONE_OFF]
 
@@ -67,6 +72,8 @@ def _check_trains_like_the_reference(facts, kw):
         assert linears < gemms <= linears + EXPERT_GEMMS_PER_STEP * moe_scenarios.STEPS
         assert (f["non_fp8_gemms_fwd"] if fp8 else f["fp8_gemms_fwd"]) == 0
         assert f["fp8_state_identical_every_step"] == [True] * moe_scenarios.STEPS
+        if fp8:  # the GEMM parameters outside the output layer in FP8 (routers stay high precision, by design)
+            assert f["fp8_share_outside_lm_head"] >= 0.9, (f["fp8_share_outside_lm_head"], f["high_precision"])
         if fp8:  # step 0 to FP8 summation-order noise, later steps within FP8 resolution
             assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4)
             assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
@@ -84,13 +91,15 @@ def test_tp_layouts_and_coverage(launched, kw):
     for f in _facts(launched, kw):
         placements = f["expert_placements"]
         gate_up, down = (placements[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_up_proj", "down_proj"))
+        inter = EXPERT_INTERMEDIATE[kw["family"]]
         if kw["layout"] == "fsdp2_tp":  # transformers' packed_colwise / rowwise shards under FSDP2's Shard(0)
             assert gate_up == ["S(0)", "_S(1, 2)"] and down == ["S(0)", "S(2)"]
-            assert f["runner_features"] == [[64, 32], [16, 64]]  # this rank's I / tp = 16 of every expert
+            assert f["runner_features"] == [[64, inter], [inter // 2, 64]]  # this rank's I / tp of every expert
         elif kw["layout"] == "tp":
-            assert gate_up == ["_S(1, 2)"] and down == ["S(2)"] and f["runner_features"] == [[64, 32], [16, 64]]
+            assert gate_up == ["_S(1, 2)"] and down == ["S(2)"]
+            assert f["runner_features"] == [[64, inter], [inter // 2, 64]]
         else:
-            assert f["runner_features"] == [[64, 64], [32, 64]]
+            assert f["runner_features"] == [[64, 2 * inter], [inter, 64]]
         kept = dict(f["high_precision"])
         assert not any("experts" in n for n in kept), kept
         routers = {f"model.layers.{i}.mlp.gate" for i in (0, 1)}

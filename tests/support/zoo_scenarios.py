@@ -26,6 +26,7 @@ LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2
            "fsdp2_tp_loaded": (None, 2, 2)}
 # sharded at load by transformers (DistributedConfig(tp_size, fsdp_size): its TP and its FSDP2), not by the test
 LOADED = {"fsdp2_tp_loaded"}
+MOE_ONLY = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3")  # built here, trained by tests/distributed/test_moe_fp8.py
 DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
                  "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer"}
 
@@ -60,8 +61,20 @@ def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
                                    shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=False,
                                    **common)
         cls = tf.Qwen2MoeForCausalLM
+    elif family == "mixtral":  # packed experts, a router of its own weight
+        config = tf.MixtralConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **common)
+        cls = tf.MixtralForCausalLM
+    elif family == "olmoe":  # q_norm / k_norm over all heads, experts of intermediate_size
+        config, cls = tf.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **common), tf.OlmoeForCausalLM
+    elif family == "deepseek_v3":  # multi-head latent attention (5 Linears), a shared expert, grouped routing
+        config = tf.DeepseekV3Config(num_mtp_layers=0, **{
+            **common, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 0})
+        cls = tf.DeepseekV3ForCausalLM
     else:
-        raise ValueError(f"unknown family {family!r}; known: {FAMILIES + ('qwen2_moe',)}")
+        raise ValueError(f"unknown family {family!r}; known: {FAMILIES + MOE_ONLY}")
     torch.manual_seed(seed)
     return cls(config)
 
