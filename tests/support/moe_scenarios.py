@@ -543,7 +543,6 @@ def sc_proportioned_coverage(rank, world_size):
     per = zoo_scenarios.GLOBAL_BATCH // world_size
     acc.backward(model(**zoo_scenarios.batch(slice(rank * per, (rank + 1) * per))).loss)
     coverage = accel_fp8_fix.audit(model, acc).coverage
-    output_layer = acc.unwrap_model(model).lm_head.weight.numel()  # global elements (a DTensor's numel is global)
     fp8_scenarios.reset_te_global_state()
     return {"coverage": coverage.fp8_param_share, "high_precision": coverage.high_precision,
             "skipped": dict(acc.accel_fp8_fix.conversion.skipped), "coverage_warnings": [str(w.message) for w in caught if "FP8 covers" in str(w.message)]}
