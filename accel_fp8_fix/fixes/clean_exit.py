@@ -10,8 +10,8 @@ decrefs the PyObject when the C++ count goes 2 → 1, ``c10/util/intrusive_ptr.h
 thread that takes the GIL while the interpreter finalizes is ended by ``pthread_exit``, whose forced unwind
 meets a ``noexcept`` frame: ``terminate called without an active exception``, SIGABRT, exit status 1 for a
 run that finished (torch's own attempt at the same remedy: pytorch/pytorch#179291, abandoned; #190489).
-Calling ``torch.distributed.destroy_process_group()`` at the end of the script removes it — what plain torch
-scripts do.
+Calling ``torch.distributed.destroy_process_group()`` at the end of the script (or ``end_training()``) does not
+remove it once the groups are still referenced — see below.
 
 The fix: when accelerate (its ``PartialState``) creates the default process group while this patch set is
 applied, an ``atexit`` handler is registered that destroys it (every group, as ``end_training`` would) after the
@@ -44,7 +44,12 @@ steps that need no timing assumption:
    touched again. Without ``/proc`` (not Linux) the handler falls back to holding the interpreter
    ``ACCEL_FP8_FIX_EXIT_GRACE`` seconds (default 0.2).
 
-Both are bounded by ``ACCEL_FP8_FIX_EXIT_TIMEOUT`` (default 60 s) in all. Only gloo groups are drained: NCCL's
+Both are bounded by ``ACCEL_FP8_FIX_EXIT_TIMEOUT`` (default 60 s) in all.
+
+A script that ends with ``accelerator.end_training()`` (examples/demo.py) gets the same: stock's
+``PartialState.destroy_process_group`` destroys the default group and returns while the referenced groups' workers
+may still be releasing (4 of 10 launches aborted beside the heavy load, and examples/demo.py once in CI), so it is
+wrapped to drain, destroy and park the same way; a script that destroys the group itself gets the park at exit. Only gloo groups are drained: NCCL's
 watchdog and work threads never hold tensors with Python objects past ``wait()``.
 Measured (one process, gloo group made by ``PartialState``, still referenced, 20 waited all-reduces, exit): stock
 2 of 40 aborted; ``destroy_process_group()`` alone 1 of 40; with the grace 0 of 40. FSDP2 + fp8 + the config
@@ -131,23 +136,56 @@ def _failing_exit() -> bool:
 
 
 def destroy_at_exit() -> str:
-    """The atexit handler; returns what it did (for tests): destroyed | skipped: <why> | timed out."""
+    """The atexit handler; returns what it did (for tests): destroyed | parked: N | skipped: <why> | timed out."""
     dist = _dist()
-    if dist is None or not dist.is_initialized():
+    if dist is None:
         return "skipped: no process group"
+    if not dist.is_initialized():
+        if not (_registered and _fix_applied()):
+            return "skipped: no process group"
+        # destroyed before exit (end_training(), or the script's own destroy_process_group()): the groups FSDP2 and
+        # the mesh still reference keep their worker threads, which may still be releasing the last collective's
+        # tensors — wait until they are parked, as after our own destroy
+        workers = wait_for_gloo_workers(time.monotonic() + _timeout())
+        _warn_if_busy(workers)
+        return workers
     if not _fix_applied():
         return "skipped: patch set not applied"
     if _fork_launched():
         return "skipped: fork-launched"
     if _failing_exit():
         return "skipped: unhandled exception"
+    return drain_destroy_and_park(dist, dist.destroy_process_group)
+
+
+def partial_state_destroy_process_group(wrapped, instance, args, kwargs):
+    """``PartialState.destroy_process_group`` (what ``Accelerator.end_training()`` calls): for the default group
+    accelerate created under this set, drain every gloo group, run stock's destroy, then wait until gloo's worker
+    threads are parked — the exit handler's steps, so a script that ends with ``end_training()`` exits as cleanly
+    as one that does not (stock's bare destroy left the still-referenced groups' workers racing teardown: 4 of 10
+    launches aborted beside the heavy load, tests/distributed/test_clean_exit.py). Every rank calls it (as every
+    rank calls end_training), so the barriers match; a rank that never comes ends the wait at the deadline."""
+    group = args[0] if args else kwargs.get("group")
+    dist = _dist()
+    if (group is not None or dist is None or not dist.is_initialized() or not _registered or not _fix_applied()
+            or _fork_launched()):
+        return wrapped(*args, **kwargs)
+    outcome = drain_destroy_and_park(dist, lambda: wrapped(*args, **kwargs))
+    if outcome.startswith("skipped: ") and dist.is_initialized():  # the drain or destroy raised: stock's own error
+        return wrapped(*args, **kwargs)
+    return None
+
+
+def drain_destroy_and_park(dist, destroy) -> str:
+    """Drain every gloo group (a barrier each), ``destroy()``, then wait until gloo's workers are parked; all of it
+    bounded by ``ACCEL_FP8_FIX_EXIT_TIMEOUT``. Returns destroyed | skipped: <error type> | timed out."""
     deadline = time.monotonic() + _timeout()
     errors: list[BaseException] = []
 
     def drain_and_destroy():
         try:
             _drain_gloo_groups(dist, deadline)
-            dist.destroy_process_group()
+            destroy()
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -160,17 +198,20 @@ def destroy_at_exit() -> str:
         worker.join(_left(deadline))  # the GIL is released while waiting: workers finishing a collective can decref
         if worker.is_alive():
             logger.warning(
-                "accel_fp8_fix: destroying the process group at exit did not finish within %ss (%s); "
+                "accel_fp8_fix: destroying the process group did not finish within %ss (%s); "
                 "left to interpreter teardown", _timeout(), TIMEOUT_ENV)
             return "timed out"
-    workers = wait_for_gloo_workers(deadline)
-    if workers == "busy":
-        logger.warning("accel_fp8_fix: gloo's worker threads were still busy %ss after the exit handler began (%s); "
-                       "left to interpreter teardown", _timeout(), TIMEOUT_ENV)
+    _warn_if_busy(wait_for_gloo_workers(deadline))
     if errors:
-        logger.debug("accel_fp8_fix: draining / destroying the process groups at exit failed: %r", errors[0])
+        logger.debug("accel_fp8_fix: draining / destroying the process groups failed: %r", errors[0])
         return f"skipped: {type(errors[0]).__name__}"
     return "destroyed"
+
+
+def _warn_if_busy(workers: str) -> None:
+    if workers == "busy":
+        logger.warning("accel_fp8_fix: gloo's worker threads were still busy %ss after the process group was "
+                       "destroyed (%s); left to interpreter teardown", _timeout(), TIMEOUT_ENV)
 
 
 def _left(deadline: float) -> float:

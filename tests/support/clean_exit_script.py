@@ -2,10 +2,12 @@
 accelerate, a tiny transformers Qwen2 built from a config, a few steps, and no `end_training()` /
 `destroy_process_group()` at the end — most scripts have neither. It must leave with exit status 0.
 
-    accelerate launch --config_file CONFIG tests/support/clean_exit_script.py [--steps N] [--in-flight]
+    accelerate launch --config_file CONFIG tests/support/clean_exit_script.py [--steps N] [--in-flight] [--end-training]
 
 `--in-flight` ends with an all-reduce still running on gloo's worker thread when the script returns (what widens
-the teardown race: the worker drops its tensors while the interpreter finalizes).
+the teardown race: the worker drops its tensors while the interpreter finalizes). `--end-training` ends with
+`accelerator.end_training()` instead (what examples/demo.py does): stock destroys the process group there, and the
+groups FSDP2 and the mesh still hold keep their worker threads into teardown all the same.
 """
 
 import argparse
@@ -19,6 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--in-flight", action="store_true")
+    parser.add_argument("--end-training", action="store_true")
     args = parser.parse_args()
 
     accelerator = Accelerator()
@@ -41,6 +44,8 @@ def main() -> None:
     if args.in_flight:
         torch.distributed.all_reduce(torch.ones(1 << 16), async_op=True)
     accelerator.print("training done")
+    if args.end_training:
+        accelerator.end_training()
 
 
 if __name__ == "__main__":
