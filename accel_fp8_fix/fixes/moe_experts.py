@@ -19,11 +19,19 @@ experts module gets a forward that
 - applies the class's own gating (``_apply_gate``: ``act(gate) * up``), the routing weights and the
   ``index_add_`` of transformers' loop, under the model's TE autocast (same recipe and amax group).
 
+GPT-OSS's layout (``is_transposed=True, has_bias=True``: ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``,
+``*_bias [E, out]``, gate and up interleaved in the output columns, a clamped SwiGLU): each expert's weight is
+handed to TE as ``[out, in]`` *contiguous* (``transpose(1, 2).contiguous()`` inside autograd: TE's GEMMs read
+storage, not strides — a strided view would be silently wrong on a GPU in a non-FP8 pass), the biases as
+``GroupedLinear``'s per-GEMM biases (TE adds them in the GEMM epilogue; under FP8 TE casts them to bf16, as its
+own ``GroupedLinear`` does), and the output columns keep transformers' order, so the class's own ``_apply_gate``
+(interleaved ``::2`` / ``1::2``, ``clamp``, ``alpha``, ``up + 1``) runs unchanged.
+
 TP (``moe_tp_experts`` with ``packed_colwise`` gate_up / ``rowwise`` down) keeps transformers' own input and
 output transforms: the forward here is what transformers' TP forward calls, on the local shards it hands in
 (each rank: its ``I / tp`` slice of every expert, outputs summed by the style). Refused by name (kept in high
-precision, in the conversion report): expert parallelism, biases, transposed or non-gated experts, a post-expert
-norm, a TP layout other than the one above, local dims that are not a multiple of the recipe's.
+precision, in the conversion report): expert parallelism, non-gated experts, a post-expert norm, TP-sharded
+transposed experts, a TP layout other than the one above, local dims that are not a multiple of the recipe's.
 
 Why GroupedLinear on views (and not E ``te.Linear`` or a new parameter layout): one grouped GEMM per
 projection with ``num_gemms=E`` FP8 metadata is what TE's MoE path (Megatron-core ``TEGroupedLinear``) runs;
@@ -64,21 +72,40 @@ def _shape_reason(module) -> str | None:
         return "expert parallelism (transformers' EP plan) dispatches tokens itself: not supported here yet"
     if not hasattr(module, "has_gate"):
         return "not a transformers @use_experts_implementation experts class"
-    unsupported = [what for what, flag in (("biases", getattr(module, "has_bias", False)),
-                                           ("transposed weights [E, in, out]", getattr(module, "is_transposed", False)),
-                                           ("no gate (up_proj only)", not getattr(module, "has_gate", True)),
+    unsupported = [what for what, flag in (("no gate (up_proj only)", not getattr(module, "has_gate", True)),
                                            ("a post-expert norm", getattr(module, "has_post_expert_norm", False)))
                    if flag]
     if unsupported:
         return f"experts with {', '.join(unsupported)}: not supported by this package's grouped-GEMM forward yet"
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
-        return "expects 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]"
+        return "expects 3-D gate_up_proj and down_proj"
     experts = getattr(module, "num_experts", None)
-    if experts != gate_up.shape[0] or experts != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2]:
+    (_, two_i, hidden), (_, down_out, down_in) = _out_in(module, gate_up), _out_in(module, down)
+    layout = "[E, in, out]" if _transposed(module) else "[E, out, in]"
+    if experts != gate_up.shape[0] or experts != down.shape[0] or two_i != 2 * down_in or down_out != hidden:
         return (f"gate_up_proj {list(gate_up.shape)} / down_proj {list(down.shape)} do not match num_experts={experts}"
-                " and the [E, 2I, H] / [E, H, I] layout")
+                f" and the {layout} layout of a gated MLP")
+    if getattr(module, "has_bias", False):
+        for name, out in (("gate_up_proj_bias", two_i), ("down_proj_bias", hidden)):
+            bias = getattr(module, name, None)
+            if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (experts, out):
+                return f"expects {name} [E, out] = {[experts, out]}, found {getattr(bias, 'shape', None)}"
     return None
+
+
+def _transposed(module) -> bool:
+    return bool(getattr(module, "is_transposed", False))
+
+
+def _out_in(module, weight) -> tuple[int, int, int]:
+    """(E, out, in) of an experts weight in either layout."""
+    experts, first, second = weight.shape
+    return (experts, second, first) if _transposed(module) else (experts, first, second)
+
+
+def _biases(module) -> tuple | None:
+    return (module.gate_up_proj_bias, module.down_proj_bias) if getattr(module, "has_bias", False) else None
 
 
 def _tp_dims(param):
@@ -99,6 +126,16 @@ def _tp_dims(param):
 def _tp_size(module) -> tuple[int, str | None]:
     """(TP degree of the experts' parameters, why their layout cannot run here — None when it can)."""
     sizes = []
+    if _transposed(module) or _biases(module) is not None:
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            tp, other = _tp_dims(getattr(module, name, None))
+            placed = [(dim, placement) for dim, placement, size in tp + (other or [])
+                      if size > 1 and not is_fsdp_placement(placement)]
+            if placed:
+                return 1, (f"{name} has placement {placed[0][1]} on mesh dim {placed[0][0]!r}: TP-sharded experts "
+                           "with [E, in, out] weights or biases (GPT-OSS's layout) are not supported; only FSDP's "
+                           "Shard(0) or Replicate")
+        return 1, None
     for name, want in (("gate_up_proj", "packed"), ("down_proj", "row")):
         tp, other = _tp_dims(getattr(module, name))
         for dim, placement, _ in other or ():
@@ -136,7 +173,7 @@ def _refusal(module, dim_multiple: int) -> tuple[int, str | None]:
     tp_size, reason = _tp_size(module)
     if reason is not None:
         return 1, reason
-    experts, two_i, hidden = module.gate_up_proj.shape
+    experts, two_i, hidden = _out_in(module, module.gate_up_proj)
     dims = {"2*I / tp (gate_up out)": two_i // tp_size, "H": hidden, "I / tp (down in)": (two_i // 2) // tp_size}
     bad = {k: v for k, v in dims.items() if v % dim_multiple}
     if bad or two_i % (2 * tp_size):
@@ -183,11 +220,13 @@ def _routing(top_k_index, num_experts: int, align: int | None):
     return token, slot, padded.cpu(), dest, int(padded.sum())
 
 
-def _grouped(runner, weight, x, splits, dest, total):
-    """One grouped GEMM of ``x`` (rows sorted by expert) with the experts' ``weight [E, out, in]``."""
+def _grouped(runner, weight, bias, x, splits, dest, total):
+    """One grouped GEMM of ``x`` (rows sorted by expert) with the experts' ``weight [E, out, in]`` (and
+    ``bias [E, out]``)."""
     if dest is not None:
         x = x.new_zeros(total, x.shape[-1]).index_copy(0, dest, x)
-    y = te_internals.grouped_linear_on_views(runner, weight.unbind(0), x, splits)
+    biases = bias.unbind(0) if bias is not None else None
+    y = te_internals.grouped_linear_on_views(runner, weight.unbind(0), x, splits, biases)
     return y.index_select(0, dest) if dest is not None else y
 
 
@@ -200,11 +239,14 @@ def te_experts_forward(self, hidden_states, top_k_index, top_k_weights):
             f"accel_fp8_fix: {type(self).__name__} reached its FP8 forward with DTensor parameters "
             f"({getattr(gate_up, 'placements', None)}): FSDP2 did not unshard them, or transformers' TP style did "
             "not hand in local shards")
+    if _transposed(self):  # [E, in, out] -> TE's [E, out, in], contiguous (TE reads storage, not strides)
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    gate_up_bias, down_bias = _biases(self) or (None, None)
     with torch.no_grad():
         token, slot, splits, dest, total = _routing(top_k_index, self.num_experts, _fp8_row_multiple())
-    hidden = _grouped(self.te_gate_up, gate_up, hidden_states[token], splits, dest, total)
+    hidden = _grouped(self.te_gate_up, gate_up, gate_up_bias, hidden_states[token], splits, dest, total)
     hidden = self._apply_gate(hidden)
-    out = _grouped(self.te_down, down, hidden, splits, dest, total)
+    out = _grouped(self.te_down, down, down_bias, hidden, splits, dest, total)
     out = out * top_k_weights[token, slot, None]
     final = torch.zeros_like(hidden_states)
     final.index_add_(0, token, out.to(final.dtype))
@@ -212,11 +254,12 @@ def te_experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def _install(te, module, tp_size: int) -> None:
-    experts, two_i, hidden = module.gate_up_proj.shape
+    experts, two_i, hidden = _out_in(module, module.gate_up_proj)
     dtype = module.gate_up_proj.dtype
     local_i = two_i // 2 // tp_size
-    gate_up = te_internals.grouped_linear_without_weights(te, experts, hidden, 2 * local_i, dtype)
-    down = te_internals.grouped_linear_without_weights(te, experts, local_i, hidden, dtype)
+    bias = _biases(module) is not None
+    gate_up = te_internals.grouped_linear_without_weights(te, experts, hidden, 2 * local_i, dtype, bias=bias)
+    down = te_internals.grouped_linear_without_weights(te, experts, local_i, hidden, dtype, bias=bias)
     for name, runner in zip(RUNNERS, (gate_up, down)):
         runner.train(module.training)
         module.add_module(name, runner)

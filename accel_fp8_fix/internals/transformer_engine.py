@@ -114,27 +114,32 @@ def grouped_views_missing() -> list[str]:
     return missing_from_sources(root, GROUPED_WEIGHT_SOURCES, "transformer-engine")
 
 
-def grouped_linear_without_weights(te, num_gemms: int, in_features: int, out_features: int, dtype):
-    """A ``te.GroupedLinear`` (no bias, discrete per-GEMM weights, the split-quantize path) built on ``meta`` whose
-    ``weight{i}`` parameters are removed: it owns no parameter, only its FP8 state (``fp8_meta``, ``_extra_state``).
-    """
-    module = te.GroupedLinear(num_gemms, in_features, out_features, bias=False, params_dtype=dtype, device="meta",
+def grouped_linear_without_weights(te, num_gemms: int, in_features: int, out_features: int, dtype,
+                                   bias: bool = False):
+    """A ``te.GroupedLinear`` (discrete per-GEMM weights and biases, the split-quantize path) built on ``meta`` whose
+    ``weight{i}`` (and ``bias{i}``) parameters are removed: it owns no parameter, only its FP8 state (``fp8_meta``,
+    ``_extra_state``)."""
+    module = te.GroupedLinear(num_gemms, in_features, out_features, bias=bias, params_dtype=dtype, device="meta",
                               use_grouped_tensor=False)
     for i in range(num_gemms):
         module._parameters.pop(f"weight{i}", None)
+        module._parameters.pop(f"bias{i}", None)
     return module
 
 
-def grouped_linear_on_views(module, weights, inp, m_splits):
+def grouped_linear_on_views(module, weights, inp, m_splits, biases=None):
     """``module(inp, m_splits)`` with ``weights[i]`` (``[out, in]`` tensors, e.g. views of a 3-D expert parameter)
-    as its ``weight{i}`` for this call only; autograd carries each weight's gradient back to the tensor it views."""
-    for i, weight in enumerate(weights):
-        module._parameters[f"weight{i}"] = weight
+    as its ``weight{i}`` — and ``biases[i]`` as its ``bias{i}`` — for this call only; autograd carries each
+    gradient back to the tensor it views."""
+    handed = [(f"weight{i}", weight) for i, weight in enumerate(weights)]
+    handed += [(f"bias{i}", bias) for i, bias in enumerate(biases or ())]
+    for name, tensor in handed:
+        module._parameters[name] = tensor
     try:
         return module(inp, m_splits)
     finally:
-        for i in range(len(weights)):
-            module._parameters.pop(f"weight{i}", None)
+        for name, _ in handed:
+            module._parameters.pop(name, None)
 
 
 def te_version(versions: Mapping[str, str | None]) -> str | None:

@@ -18,14 +18,16 @@ PLAN_2 = [("sc_moe", {"family": f, "layout": "fsdp2", "fp8": fp8}) for f in moe_
     ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": fp8}) for fp8 in (True, False)] + [  # TP alone, 2 ranks
     ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": False, "experts": False}),  # transformers' experts, same TP
     ("sc_proportioned_coverage", {})] + [
-    ("sc_moe", {"family": f, "layout": "fsdp2", "fp8": True}) for f in moe_scenarios.MORE_FAMILIES]
+    ("sc_moe", {"family": f, "layout": "fsdp2", "fp8": True})
+    for f in moe_scenarios.MORE_FAMILIES + moe_scenarios.FSDP2_ONLY_FAMILIES]
 TP_ALONE_OFF = {"family": "qwen3_moe", "layout": "tp", "fp8": False}
 PLAN_4 = [("sc_moe", {"family": f, "layout": layout, "fp8": fp8})
           for layout in ("hsdp", "fsdp2_tp") for f in moe_scenarios.FAMILIES for fp8 in (True, False)] + [
     ("sc_moe", {"family": f, "layout": "fsdp2_tp", "fp8": True}) for f in moe_scenarios.MORE_FAMILIES]
 # q, k, v, o (+ a shared expert's gate, up, down); DeepSeek-V3's latent attention: q_a, q_b, kv_a, kv_b, o
-LINEARS_PER_LAYER = {"qwen3_moe": 4, "qwen2_moe": 7, "mixtral": 4, "olmoe": 4, "deepseek_v3": 8}
-EXPERT_INTERMEDIATE = {"qwen3_moe": 32, "qwen2_moe": 32, "deepseek_v3": 32, "mixtral": 128, "olmoe": 128}  # I
+LINEARS_PER_LAYER = {"qwen3_moe": 4, "qwen2_moe": 7, "mixtral": 4, "olmoe": 4, "deepseek_v3": 8, "gpt_oss": 4}
+EXPERT_INTERMEDIATE = {"qwen3_moe": 32, "qwen2_moe": 32, "deepseek_v3": 32, "mixtral": 128, "olmoe": 128,
+                       "gpt_oss": 32}  # I
 EXPERT_GEMMS_PER_STEP = 4 * 2 * 2  # at most: 4 experts x 2 projections x 2 layers, forward
 CASES = [kw for name, kw in PLAN_2 + PLAN_4 if name == "sc_moe" and kw.get("experts", True) and kw != TP_ALONE_OFF]
 
@@ -102,7 +104,8 @@ def test_tp_layouts_and_coverage(launched, kw):
             assert f["runner_features"] == [[64, 2 * inter], [inter, 64]]
         kept = dict(f["high_precision"])
         assert not any("experts" in n for n in kept), kept
-        routers = {f"model.layers.{i}.mlp.gate" for i in (0, 1)}
+        router = "router" if kw["family"] == "gpt_oss" else "gate"
+        routers = {f"model.layers.{i}.mlp.{router}" for i in (0, 1)}
         assert routers <= set(kept) and all("by design" in kept[r] for r in routers)
         assert set(kept) - routers <= {"lm_head"} | {f"model.layers.{i}.mlp.shared_expert_gate" for i in (0, 1)}
         # lm_head (its own FSDP2 unit; under TP the output layer) stays high precision: 16 % of these tiny models

@@ -64,3 +64,49 @@ def test_experts_train_in_fp8_on_te_grouped_gemms_like_the_bf16_run(single_rank)
     assert fp8["names"] == bf16["names"]  # the user's parameters, untouched
     assert all(torch.isfinite(torch.tensor(fp8["losses"])))
     assert fp8["losses"] == pytest.approx(bf16["losses"], rel=5e-2)
+
+
+def test_gpt_oss_experts_transposed_with_biases_match_transformers_on_real_te():
+    """GPT-OSS's ``[E, in, out]`` experts with biases on real TE grouped GEMMs: TE's CUDA GEMMs read a weight's
+    storage, not its strides, so the package hands each expert's weight over transposed and contiguous — a strided
+    view here would give an O(1) error in the non-FP8 pass. FP8 off: transformers' loop to fp32 GEMM rounding;
+    FP8 on: within FP8's resolution."""
+    import copy
+
+    import transformer_engine.common.recipe as te_recipe
+    import transformer_engine.pytorch as te
+    import transformers as tf
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.moe_experts import convert_experts
+
+    config = tf.GptOssConfig(hidden_size=256, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.experts = GptOssExperts(config).cuda()
+    for p in holder.experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    ref = copy.deepcopy(holder.experts)
+    ref.config = copy.copy(config)
+    ref.config._experts_implementation = "eager"
+    converted, skipped = convert_experts(holder, te)
+    assert converted == ["experts"] and skipped == []
+    g = torch.Generator("cuda").manual_seed(1)
+    hidden = torch.randn(300, 256, device="cuda", generator=g)
+    index = torch.randint(0, 8, (300, 2), device="cuda", generator=g)
+    weights = torch.rand(300, 2, device="cuda", generator=g)
+
+    def run(module, fp8):
+        h = hidden.clone().requires_grad_()
+        with te_autocast(te)(fp8, te_recipe.DelayedScaling(), None):
+            out = module(h, index, weights)
+        out.sum().backward()
+        return [out.detach(), h.grad] + [p.grad.clone() for p in module.parameters(recurse=False)]
+
+    want = run(ref, False)
+    for fp8, tolerance in ((False, 1e-3), (True, 0.15)):
+        holder.experts.zero_grad()
+        got = run(holder.experts, fp8)
+        for a, b in zip(got, want):
+            assert float((a - b).norm() / b.norm()) < tolerance, fp8

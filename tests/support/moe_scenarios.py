@@ -17,8 +17,13 @@ FAMILIES = ("qwen3_moe", "qwen2_moe")
 # more packed-experts families, trained FP8 under FSDP2 (and FSDP2 x TP, tests/distributed/test_moe_fp8.py) so that
 # nothing lets their experts drop out of FP8 unseen (issue 30 item 3)
 MORE_FAMILIES = ("mixtral", "olmoe", "deepseek_v3")
+# GPT-OSS's layout ([E, in, out] experts with biases, gate / up interleaved, clamped SwiGLU): one process here and
+# FSDP2 in tests/distributed/test_moe_fp8.py (its TP plan shards only the embedding: no FSDP2 x TP case)
+FSDP2_ONLY_FAMILIES = ("gpt_oss",)
+UNIT_FAMILIES = FAMILIES + FSDP2_ONLY_FAMILIES  # the one-process checks of tests/unit/test_moe_experts.py
 DECODER_LAYER = {"qwen3_moe": "Qwen3MoeDecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer",
-                 "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer"}
+                 "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer",
+                 "gpt_oss": "GptOssDecoderLayer"}
 LAYOUTS = {"fsdp2": (None, 2, None), "tp": (None, None, 2), "hsdp": (2, 2, None), "fsdp2_tp": (None, 2, 2),
            "fsdp2_one_rank": (None, None, None)}  # (dp_replicate, dp_shard, tp); one rank: FSDP2, no ParallelismConfig
 STEPS = 3
@@ -64,7 +69,8 @@ def _routing(family, zero_experts=()):
     model = zoo_scenarios.build(family)
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(TOKENS, 64, generator=g)
-    logits = model.model.layers[0].mlp.gate(hidden)[0].detach()
+    mlp = model.model.layers[0].mlp
+    logits = (mlp.router if hasattr(mlp, "router") else mlp.gate)(hidden)[0].detach()
     for e in zero_experts:
         logits[:, e] = -1e9
     weights, index = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
@@ -76,8 +82,12 @@ def _run_experts(experts, hidden, index, weights, grad, autocast=None):
     with autocast if autocast is not None else contextlib.nullcontext():
         out = experts(h, index, w)
     out.backward(grad)
-    return {"out": out.detach(), "hidden": h.grad, "weights": w.grad,
-            "gate_up_proj": experts.gate_up_proj.grad.clone(), "down_proj": experts.down_proj.grad.clone()}
+    return {"out": out.detach(), "hidden": h.grad, "weights": w.grad, **_param_grads(experts)}
+
+
+def _param_grads(experts) -> dict:
+    """Every parameter's gradient of an experts module (the 3-D weights; GPT-OSS: and their biases)."""
+    return {n: p.grad.clone() for n, p in experts.named_parameters(recurse=False)}
 
 
 def _compare(got, want) -> dict:
@@ -94,13 +104,21 @@ def _compare(got, want) -> dict:
 
 def _te_linear_loop(experts, hidden, index, weights, grad, autocast):
     """transformers' eager loop with each expert GEMM a ``te.Linear`` on ``gate_up_proj[e]`` / ``down_proj[e]``
-    (its rows zero-padded to 16 for FP8): what the grouped GEMM must reproduce expert by expert."""
+    (``[out, in]``; GPT-OSS's ``[in, out]`` transposed contiguous, with its bias; rows zero-padded to 16 for FP8),
+    gated by the class's own ``_apply_gate``: what the grouped GEMM must reproduce expert by expert."""
     import torch
     import transformer_engine.pytorch as te
 
-    def linear(x, weight):
-        lin = te.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    transposed = getattr(experts, "is_transposed", False)
+
+    def linear(x, name, e):
+        weight = getattr(experts, name)[e]
+        weight = weight.t().contiguous() if transposed else weight
+        bias = getattr(experts, f"{name}_bias")[e] if getattr(experts, "has_bias", False) else None
+        lin = te.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
         lin._parameters["weight"] = weight
+        if bias is not None:
+            lin._parameters["bias"] = bias
         rows = -(-x.shape[0] // 16) * 16
         padded = torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
         return lin(padded)[: x.shape[0]]
@@ -113,12 +131,11 @@ def _te_linear_loop(experts, hidden, index, weights, grad, autocast):
             slot, token = torch.where(mask[e])
             if token.numel() == 0:
                 continue
-            gate, up = linear(h[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
-            out = linear(experts.act_fn(gate) * up, experts.down_proj[e]) * w[token, slot, None]
+            gated = experts._apply_gate(linear(h[token], "gate_up_proj", e))
+            out = linear(gated, "down_proj", e) * w[token, slot, None]
             final.index_add_(0, token, out)
     final.backward(grad)
-    return {"out": final.detach(), "hidden": h.grad, "weights": w.grad,
-            "gate_up_proj": experts.gate_up_proj.grad.clone(), "down_proj": experts.down_proj.grad.clone()}
+    return {"out": final.detach(), "hidden": h.grad, "weights": w.grad, **_param_grads(experts)}
 
 
 def _splits_probe(experts):
@@ -551,6 +568,29 @@ def sc_proportioned_coverage(rank, world_size):
 # The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
 LAUNCH = {**fp8_scenarios.LAUNCH, "timeout": 900.0}
 
+@contextlib.contextmanager
+def _handed_weights_probe():
+    """Yields the list of ``is_contiguous()`` of every weight the package hands a TE grouped GEMM (GPT-OSS: TE
+    reads storage, not strides — a transposed view would be silently wrong on a GPU in a non-FP8 pass)."""
+    from unittest import mock
+
+    from accel_fp8_fix.internals import transformer_engine as te_internals
+
+    seen, original = [], te_internals.grouped_linear_on_views
+
+    def probe(module, weights, inp, m_splits, biases=None):
+        seen.extend(w.is_contiguous() for w in weights)
+        return original(module, weights, inp, m_splits, biases)
+
+    with mock.patch.object(te_internals, "grouped_linear_on_views", probe):
+        yield seen
+
+
 def sc_unit(rank, world_size):
-    """Both families' one-process checks in one fresh process."""
-    return {family: sc_single(rank, world_size, family) for family in FAMILIES}
+    """Every family's one-process checks in one fresh process."""
+    facts = {}
+    for family in UNIT_FAMILIES:
+        with _handed_weights_probe() as handed:
+            facts[family] = sc_single(rank, world_size, family)
+        facts[family]["handed_weights_contiguous"] = [len(handed), all(handed)]
+    return facts

@@ -26,7 +26,7 @@ LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2
            "fsdp2_tp_loaded": (None, 2, 2)}
 # sharded at load by transformers (DistributedConfig(tp_size, fsdp_size): its TP and its FSDP2), not by the test
 LOADED = {"fsdp2_tp_loaded"}
-MOE_ONLY = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3")  # built here, trained by tests/distributed/test_moe_fp8.py
+MOE_ONLY = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")  # built here, trained by tests/distributed/test_moe_fp8.py
 DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
                  "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer"}
 
@@ -73,6 +73,12 @@ def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
             "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
             "first_k_dense_replace": 0})
         cls = tf.DeepseekV3ForCausalLM
+    elif family == "gpt_oss":  # experts [E, in, out] with biases, gate / up interleaved, clamped SwiGLU; attention
+        # sinks, sliding window on every other layer (GPT-OSS's TP plan covers the embedding only: FSDP2 here)
+        config = tf.GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 150000.0},  # no YaRN at 64
+                                 **{**common, "intermediate_size": 32})
+        cls = tf.GptOssForCausalLM
     else:
         raise ValueError(f"unknown family {family!r}; known: {FAMILIES + MOE_ONLY}")
     torch.manual_seed(seed)

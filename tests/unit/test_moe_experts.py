@@ -1,6 +1,7 @@
 """MoE experts packed as 3-D parameters on Transformer Engine grouped GEMMs (fixes/moe_experts.py, issue 19):
 one process, TE's real Python over the CPU kernel shim (a fresh process per recipe family: TE caches its
-answers), Qwen3-MoE and Qwen2-MoE (shared expert) from transformers 5.x, tiny configs.
+answers), Qwen3-MoE, Qwen2-MoE (shared expert) and GPT-OSS (issue 30: ``[E, in, out]`` weights with biases, gate
+and up interleaved, a clamped SwiGLU) from transformers 5.x, tiny configs.
 
 Numerics: with TE autocast off the outputs and every gradient (input, routing weights, both 3-D parameters)
 equal transformers' own eager loop bit for bit — same per-expert GEMM shapes, rows in transformers' order
@@ -21,6 +22,12 @@ from support import launcher
 from support import moe_scenarios
 
 GRAD_NAMES = ("out", "hidden", "weights", "gate_up_proj", "down_proj")
+BIAS_NAMES = ("gate_up_proj_bias", "down_proj_bias")  # GPT-OSS
+FAMILIES = moe_scenarios.UNIT_FAMILIES
+
+
+def _names(family):
+    return GRAD_NAMES + (BIAS_NAMES if family == "gpt_oss" else ())
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +42,18 @@ def mxfp8():
     return result
 
 
-@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", ["experts", "zeros"])
 def test_fp8_off_equals_transformers_own_loop_bit_for_bit(facts, family, case):
     f = facts[family][case]
     assert f["converted"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"] and f["skipped"] == []
-    for name in GRAD_NAMES:
+    assert sorted(f["fp8_off"]) == sorted(_names(family))  # every gradient of the experts module compared
+    for name in _names(family):
         assert f["fp8_off"][name][0], (name, f["fp8_off"][name])
     # transformers' grouped_mm: the same outputs; weight gradients summed in another order (~1 ulp)
     for name in ("out", "hidden", "weights"):
         assert f["vs_grouped_mm_of_transformers"][name][0]
-    for name in ("gate_up_proj", "down_proj"):
+    for name in _names(family)[3:]:
         assert f["vs_grouped_mm_of_transformers"][name][2] < 1e-6
     # FP8 off: no padding, m_splits are the tokens per expert; every expert GEMM through TE's grouped GEMM
     assert f["fp8_off_splits"] == [("te_gate_up", f["counts"]), ("te_down", f["counts"])]
@@ -54,7 +62,7 @@ def test_fp8_off_equals_transformers_own_loop_bit_for_bit(facts, family, case):
     assert f["fp8_off_stats"]["grouped_gemms"] == 6  # forward, dgrad, wgrad of both projections
 
 
-@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fp8_on_is_fp8_and_close_to_fp32(facts, family):
     for case, kinds in (("experts", ("delayed", "current")), ("zeros", ("delayed",))):
         f = facts[family][case]
@@ -64,16 +72,29 @@ def test_fp8_on_is_fp8_and_close_to_fp32(facts, family):
             assert (stats["fp8_gemms_fwd"], stats["fp8_gemms_bwd"], stats["non_fp8_gemms"]) == (2 * hit, 4 * hit, 0)
             for name in GRAD_NAMES:  # E4M3 / E5M2 resolution; a wrong expert or layout would be O(1)
                 assert 1e-3 < f[f"fp8_{kind}"][name][2] < 0.15, (case, kind, name, f[f"fp8_{kind}"][name])
+            if family == "gpt_oss":  # bias gradients: TE sums the high-precision output gradient; the gate_up
+                # bias's passes through the FP8 down GEMM's dgrad, the down bias's through none
+                assert 1e-3 < f[f"fp8_{kind}"]["gate_up_proj_bias"][2] < 0.15
+                assert f[f"fp8_{kind}"]["down_proj_bias"][2] < 1e-6
 
 
-@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fp8_grouped_gemm_equals_a_te_linear_per_expert(facts, family):
     f = facts[family]["experts"]["fp8_current_vs_te_linear_loop"]
-    for name in GRAD_NAMES:
+    for name in _names(family):
         assert f[name][0], (name, f[name])
 
 
-@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_te_gets_every_expert_weight_contiguous(facts, family):
+    """TE's GEMMs read a weight's storage, not its strides (a transposed view reaching ``generic_gemm`` in a
+    non-FP8 pass is silently wrong on a GPU; the CPU shim refuses it): GPT-OSS's ``[E, in, out]`` experts are
+    handed over transposed and contiguous, the FP8-off pass above included."""
+    count, contiguous = facts[family]["handed_weights_contiguous"]
+    assert count > 0 and contiguous
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_m_splits_padded_to_16_under_fp8_with_empty_experts(facts, family):
     for case in ("experts", "zeros"):
         f = facts[family][case]
@@ -92,18 +113,18 @@ def test_mxfp8_pads_every_expert_to_32(mxfp8):
         assert 1e-3 < mxfp8["fp8_mxfp8"][name][2] < 0.15, (name, mxfp8["fp8_mxfp8"][name])
 
 
-@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_whole_model_without_fp8_trains_like_transformers(facts, family):
     f = facts[family]["model"]
     assert f["loss_equal"]
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "gpt_oss"):
         assert f["unequal_grads"] == []
     else:  # Qwen2-MoE: hidden_states also feed the shared expert and its gate, so autograd sums the input
         # gradient of 4 consumers instead of 7 (one per expert hit): a different association, ~1 ulp
         assert f["max_grad_rel_error"] < 1e-5
 
 
-@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_state_dict_and_parameters_are_plain_transformers(facts, family):
     f = facts[family]["state_dict"]
     assert f["same_keys"] and f["same_shapes_dtypes"] and f["same_values"] and f["same_parameter_objects"]
@@ -113,12 +134,12 @@ def test_state_dict_and_parameters_are_plain_transformers(facts, family):
         f"model.layers.{i}.mlp.experts.{r}._extra_state" for i in (0, 1) for r in ("te_gate_up", "te_down")}
 
 
-@pytest.mark.parametrize("family", moe_scenarios.FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_coverage_counts_the_experts_and_names_the_router(facts, family):
     f = facts[family]["coverage"]
     assert f["fp8_param_share"] >= 0.9, f["summary"]
     kept = dict(f["high_precision"])
-    routers = {f"model.layers.{i}.mlp.gate" for i in (0, 1)}
+    routers = {f"model.layers.{i}.mlp.{'router' if family == 'gpt_oss' else 'gate'}" for i in (0, 1)}
     gates = {f"model.layers.{i}.mlp.shared_expert_gate" for i in (0, 1)} if family == "qwen2_moe" else set()
     assert set(kept) == routers | gates, kept
     for name in routers:
@@ -143,11 +164,14 @@ def test_unsupported_experts_are_kept_and_named():
     from accel_fp8_fix.fixes.moe_experts import convert_experts
 
     model = nn.Module()
-    model.gpt_oss = _gpt_oss_experts()
+    model.no_gate, model.bad_bias = _gpt_oss_experts(), _gpt_oss_experts()
+    model.no_gate.has_gate = False  # Nemotron-H's up_proj-only experts
+    model.bad_bias.down_proj_bias = nn.Parameter(model.bad_bias.down_proj_bias[:, :16].detach())
     converted, skipped = convert_experts(model, te=None)
     assert converted == []
-    (name, why), = skipped
-    assert name == "gpt_oss" and "biases" in why and "transposed" in why
+    reasons = dict(skipped)
+    assert "no gate (up_proj only)" in reasons["no_gate"]
+    assert "down_proj_bias [E, out] = [4, 64]" in reasons["bad_bias"]
 
 
 def test_expert_parallel_and_odd_dims_are_refused_by_name():
