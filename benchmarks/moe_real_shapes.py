@@ -4,9 +4,9 @@ Each model is built by transformers' own class on the meta device (every module 
 and converted by the package's conversion as ``accelerator.prepare`` runs it on one rank
 (``fixes/te_convert.convert_after_sharding``, the output layer excluded; its Linears become TE Linears on meta, its
 packed experts get the grouped-GEMM forward or are kept with a named reason). A GEMM weight counts as FP8 when its
-module is then a TE module or converted experts; routers and the output layer stay in high precision by design. The
-"under EP" columns convert a second copy with every packed-experts module marked expert-parallel, as transformers'
-EP plan marks it: the package keeps such experts in high precision today (issue 30).
+module is then a TE module or converted experts; routers and the output layer stay in high precision by design.
+Under transformers' expert parallelism each rank converts its local experts the same way (its all-to-all or
+all-reduce dispatch calls them; tests/distributed/test_expert_parallel.py), so the shares hold there too.
 
 FLOPs are a token's forward GEMM FLOPs through the weights: 2 x the weight's elements for a Linear and a router,
 2 x one expert's elements x top-k for packed experts (the active experts); attention's score and value products are
@@ -91,19 +91,15 @@ def gemm_weights(model, top_k: int):
                 yield name, module, "router", own[0].numel(), 2 * own[0].numel()
 
 
-def shares(model_cls, config, expert_parallel: bool) -> dict:
+def shares(model_cls, config) -> dict:
     """Build ``model_cls(config)`` on meta, convert it as the package does; the FP8 shares and the kept modules."""
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.moe_experts import is_converted, is_packed_experts
+    from accel_fp8_fix.fixes.moe_experts import is_converted
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
     from accel_fp8_fix.internals.transformer_engine import has_fp8_state
 
     model = build(model_cls, config)
-    if expert_parallel:
-        for module in model.modules():
-            if is_packed_experts(module) and hasattr(module, "has_gate"):
-                module._is_expert_parallel = True  # what transformers' EP plan sets on a sharded experts module
     report = convert_after_sharding(model, te, exclude=(OUTPUT_LAYER,))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "experts_per_token", None) or 1
@@ -127,16 +123,14 @@ def published() -> None:
     import transformers
 
     print("| model | GEMM params outside lm_head (B) | experts' share of them | FP8 share of params | FP8 share of "
-          "FLOPs / token (+ lm_head) | under EP today: params / FLOPs | kept in high precision |")
-    print("|---|---|---|---|---|---|---|")
+          "FLOPs / token (+ lm_head) | kept in high precision |")
+    print("|---|---|---|---|---|---|")
     for label, (cls, values, _source) in CONFIGS.items():
         config = getattr(transformers, cls)(**values)
-        one = shares(transformers.AutoModelForCausalLM._model_mapping[type(config)], config, False)
-        ep = shares(transformers.AutoModelForCausalLM._model_mapping[type(config)], config, True)
+        one = shares(transformers.AutoModelForCausalLM._model_mapping[type(config)], config)
         kept = "; ".join(one["kept"]) or "routers, lm_head (by design)"
         print(f"| {label} | {one['params'] / 1e9:.2f} | {one['experts_share']:.1%} | {one['fp8_params']:.2%} | "
-              f"{one['fp8_flops']:.2%} ({one['fp8_flops_head']:.2%}) | {ep['fp8_params']:.1%} / "
-              f"{ep['fp8_flops']:.1%} | {kept} |")
+              f"{one['fp8_flops']:.2%} ({one['fp8_flops_head']:.2%}) | {kept} |")
     print("\nSources:")
     for label, (_, _, source) in CONFIGS.items():
         print(f"- {label}: {source}")
@@ -172,7 +166,7 @@ def sweep() -> None:
             if not heads:
                 raise LookupError("no *ForCausalLM / *ForConditionalGeneration class")
             model_cls = getattr(module, sorted(heads, key=len)[0])
-            got = shares(model_cls, model_cls.config_class(), False)
+            got = shares(model_cls, model_cls.config_class())
         except Exception as exc:  # noqa: BLE001 - a family that cannot be built on its defaults: listed with why
             print(f"| {family} | {', '.join(classes)} | — | — | — | — | — | could not build on its defaults: "
                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]} |")

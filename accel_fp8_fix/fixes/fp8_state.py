@@ -18,6 +18,10 @@ from torch import nn
 from ..distributed.collectives import all_reduce, broadcast
 from ..internals.transformer_engine import rebuild_quantizers
 
+# Set on a module whose FP8 state is shared by other ranks than the model's amax group's (the TE runners of an
+# expert-parallel experts module: the ranks holding the same experts, fixes/moe_experts.py); its value is that group.
+AMAX_GROUP_ATTR = "_accel_fp8_fix_amax_group"
+
 SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
               "_state_dict_hooks", "_load_state_dict_pre_hooks", "_non_persistent_buffers_set"}
 
@@ -145,12 +149,18 @@ def register_tensor_state(model: nn.Module, modules=None, attrs=None) -> list[Re
     return registered
 
 
-def fp8_state_tensors(model: nn.Module) -> dict:
-    """{qualified buffer name: tensor} of every registered FP8 state tensor, in a rank-independent order."""
+def amax_group_of(module: nn.Module, default):
+    """The group ``module``'s FP8 state is shared over: its own (``AMAX_GROUP_ATTR``) or ``default``."""
+    return getattr(module, AMAX_GROUP_ATTR, default)
+
+
+def fp8_state_tensors(model: nn.Module, group=None, default=None) -> dict:
+    """{qualified buffer name: tensor} of every registered FP8 state tensor, in a rank-independent order; with
+    ``group``: only the modules whose FP8 state is shared over it (``default``: the model's group)."""
     out = {}
     for name, module in model.named_modules():
         link = getattr(module, "_accel_fp8_fix_state_link", None)
-        if link is None:
+        if link is None or (group is not None and amax_group_of(module, default) is not group):
             continue
         link(module)  # make sure the buffers are the live tensors
         for path, buffer, _, _ in link.entries:
@@ -158,19 +168,37 @@ def fp8_state_tensors(model: nn.Module) -> dict:
     return out
 
 
+def state_groups(model: nn.Module, default) -> list:
+    """The groups the model's FP8 state is shared over: ``default`` first, then each module's own group in module
+    order (one per rank and role: every rank lists its own, in the same order)."""
+    groups = [default]
+    for module in model.modules():
+        own = getattr(module, AMAX_GROUP_ATTR, None)
+        if own is not None and getattr(module, "_accel_fp8_fix_state_link", None) is not None and \
+                all(own is not g for g in groups):
+            groups.append(own)
+    return groups
+
+
 @torch.no_grad()
 def broadcast_fp8_state(model: nn.Module, group, src: int = 0) -> int:
-    """Copy rank ``src``'s FP8 state into every rank's, in place, on the explicit ``group``; bytes sent."""
+    """Copy rank ``src``'s FP8 state into every rank's, in place, on the explicit ``group``; bytes sent. State
+    shared over another group (expert-parallel experts) is broadcast on that group from its first rank."""
+    import torch.distributed as dist
+
     sent = 0
-    for name, tensor in fp8_state_tensors(model).items():
-        broadcast(tensor, src=src, group=group, name=name)
-        sent += tensor.numel() * tensor.element_size()
+    for shared in state_groups(model, group):
+        first = src if shared is group else dist.get_process_group_ranks(shared)[0]
+        for name, tensor in fp8_state_tensors(model, shared, group).items():
+            broadcast(tensor, src=first, group=shared, name=name)
+            sent += tensor.numel() * tensor.element_size()
     return sent
 
 
 @torch.no_grad()
 def reduce_pending_amax(model: nn.Module, group) -> int:
-    """MAX-reduce row 0 of every amax history on ``group`` (one collective); returns the values reduced.
+    """MAX-reduce row 0 of every amax history on ``group`` (one collective per group the state is shared over:
+    expert-parallel experts' on their own); returns the values reduced.
 
     Row 0 is the current step's amax, still rank-local until TE's next reduction takes its max over the
     group (TP shards differ; under FSDP2 TE's backward writes the weight amax there). Reducing it early is
@@ -179,13 +207,17 @@ def reduce_pending_amax(model: nn.Module, group) -> int:
     """
     import torch.distributed as dist
 
-    rows = [t[0] for name, t in sorted(fp8_state_tensors(model).items()) if name.endswith("amax_history")]
-    if not rows:
-        return 0
-    flat = torch.cat([r.reshape(-1).float() for r in rows])
-    all_reduce(flat, op=dist.ReduceOp.MAX, group=group, name="pending amax (row 0 of the amax histories)")
-    offset = 0
-    for row in rows:
-        row.copy_(flat[offset:offset + row.numel()].reshape(row.shape))
-        offset += row.numel()
-    return flat.numel()
+    reduced = 0
+    for shared in state_groups(model, group):
+        tensors = fp8_state_tensors(model, shared, group)
+        rows = [t[0] for name, t in sorted(tensors.items()) if name.endswith("amax_history")]
+        if not rows:
+            continue
+        flat = torch.cat([r.reshape(-1).float() for r in rows])
+        all_reduce(flat, op=dist.ReduceOp.MAX, group=shared, name="pending amax (row 0 of the amax histories)")
+        offset = 0
+        for row in rows:
+            row.copy_(flat[offset:offset + row.numel()].reshape(row.shape))
+            offset += row.numel()
+        reduced += flat.numel()
+    return reduced

@@ -47,9 +47,10 @@ import torch
 from torch import nn
 
 from ..distributed.dtensor import is_dtensor
-from ..internals import torch_internals, transformers_tp
+from ..internals import torch_internals, transformers_ep, transformers_tp
 from ..internals import transformer_engine as te_internals
 from .fp8_shapes import FP8_LAST_MULTIPLE, recipe_multiples
+from .fp8_state import AMAX_GROUP_ATTR
 from .tp_layout import DATA_PARALLEL_DIMS, is_fsdp_placement
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,15 @@ def is_converted(module: nn.Module) -> bool:
     return bool(getattr(module, CONVERTED_ATTR, False))
 
 
+def _expert_parallel(module) -> bool:
+    return bool(getattr(module, "_is_expert_parallel", False))
+
+
 def _shape_reason(module) -> str | None:
-    if getattr(module, "_is_expert_parallel", False):
-        return "expert parallelism (transformers' EP plan) dispatches tokens itself: not supported here yet"
+    if _expert_parallel(module):
+        reason = transformers_ep.unsupported(module)
+        if reason is not None:
+            return reason
     if not hasattr(module, "has_gate"):
         return "not a transformers @use_experts_implementation experts class"
     unsupported = [what for what, flag in (("no gate (up_proj only)", not getattr(module, "has_gate", True)),
@@ -81,6 +88,9 @@ def _shape_reason(module) -> str | None:
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == down.dim() == 3):
         return "expects 3-D gate_up_proj and down_proj"
     experts = getattr(module, "num_experts", None)
+    if _expert_parallel(module):  # transformers set num_experts to this rank's count; the parameters are global
+        ep = _ep_size(module)
+        experts = experts * ep if isinstance(experts, int) and ep else None
     (_, two_i, hidden), (_, down_out, down_in) = _out_in(module, gate_up), _out_in(module, down)
     layout = "[E, in, out]" if _transposed(module) else "[E, out, in]"
     if experts != gate_up.shape[0] or experts != down.shape[0] or two_i != 2 * down_in or down_out != hidden:
@@ -123,8 +133,57 @@ def _tp_dims(param):
     return tp, other
 
 
+EP_DIM = "ep"  # transformers' expert mesh: (pp, dp_replicate, efsdp, ep)
+
+
+def _ep_size(module) -> int | None:
+    """The size of the ``ep`` dim of the experts' parameters' mesh (None when they are not on one)."""
+    param = getattr(module, "gate_up_proj", None)
+    if not is_dtensor(param):
+        return None
+    names = tuple(param.device_mesh.mesh_dim_names or ())
+    return param.device_mesh.size(names.index(EP_DIM)) if EP_DIM in names else None
+
+
+def _ep_layout_reason(module) -> str | None:
+    """Why the expert-parallel parameters' layout cannot run here: each must be ``Shard(0)`` on ``ep`` (whole
+    experts per rank) and FSDP's placements on every other dim of the expert mesh."""
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        param = getattr(module, name, None)
+        if param is None or not isinstance(param, torch.Tensor):
+            continue
+        if not is_dtensor(param):
+            return f"{name} is not a DTensor under expert parallelism"
+        names = tuple(param.device_mesh.mesh_dim_names or ())
+        if EP_DIM not in names:
+            return f"{name} lives on mesh dims {names}, without transformers' {EP_DIM!r} dim"
+        for dim, placement in zip(names, param.placements):
+            ok = (placement.is_shard() and getattr(placement, "dim", None) == 0) if dim == EP_DIM else (
+                is_fsdp_placement(placement))
+            if not ok:
+                return (f"{name} has placement {placement} on mesh dim {dim!r}; expert parallelism runs here with "
+                        "Shard(0) on 'ep' and FSDP's Shard(0) / Replicate on the other dims")
+    return None
+
+
+def expert_replica_group(module):
+    """The process group of the ranks that hold this expert-parallel module's experts (every dim of the experts'
+    mesh but ``ep``: transformers' ``efsdp``, with ``dp_replicate`` under HSDP): the ranks whose FP8 state for
+    expert *i* of this rank is that same expert's. None when the module is not expert-parallel."""
+    param = getattr(module, "gate_up_proj", None)
+    if not (_expert_parallel(module) and is_dtensor(param)):
+        return None
+    mesh = param.device_mesh
+    others = tuple(n for n in mesh.mesh_dim_names if n != EP_DIM)
+    if len(others) == 1:
+        return mesh[others[0]].get_group()
+    return torch_internals.flatten_mesh(mesh[others]).get_group()
+
+
 def _tp_size(module) -> tuple[int, str | None]:
     """(TP degree of the experts' parameters, why their layout cannot run here — None when it can)."""
+    if _expert_parallel(module):
+        return 1, _ep_layout_reason(module)
     sizes = []
     if _transposed(module) or _biases(module) is not None:
         for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
@@ -165,6 +224,11 @@ def _tp_size(module) -> tuple[int, str | None]:
     return sizes[0], None
 
 
+def _local_experts(module) -> int:
+    """Experts this rank runs: transformers' ``num_experts`` (the local count under EP), else the 3-D dim 0."""
+    return module.num_experts if _expert_parallel(module) else module.gate_up_proj.shape[0]
+
+
 def _refusal(module, dim_multiple: int) -> tuple[int, str | None]:
     """(TP degree, why this experts module stays in high precision — None when it converts)."""
     reason = _shape_reason(module)
@@ -199,16 +263,22 @@ def expert_row_multiple(recipe) -> int:
     return align if align is not None else max(FP8_LAST_MULTIPLE, recipe_multiples(recipe)[0])
 
 
-def _routing(top_k_index, num_experts: int, align: int | None):
+def _routing(top_k_index, num_experts: int, align: int | None, expert_parallel: bool = False):
     """Rows sorted by expert: (token of each row, top-k slot of each row, m_splits, padded row of each row or
-    None, padded rows in all)."""
+    None, padded rows in all). Under expert parallelism a route to another rank's expert carries the sentinel
+    ``num_experts`` (transformers' ``AllReduceEP``, weight 0): it is left out, as transformers' loop skips it."""
     tokens = top_k_index.shape[0]
     flat = top_k_index.t().reshape(-1)  # (slot, token) order, as transformers' torch.where(expert_mask[e])
+    pair = torch.arange(flat.numel(), device=flat.device)
+    if expert_parallel:
+        keep = flat < num_experts
+        flat, pair = flat[keep], pair[keep]
     if flat.numel() and int(flat.max()) >= num_experts:
         raise RuntimeError(f"accel_fp8_fix: expert index {int(flat.max())} >= num_experts={num_experts} (an EP "
-                           "sentinel?): the FP8 grouped-GEMM experts forward does not run expert parallelism")
+                           "sentinel on a module that is not expert-parallel?)")
     expert_of_row, order = torch.sort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
+    order = pair[order]
     token, slot = order % tokens, order // tokens
     if align is None:
         return token, slot, counts.cpu(), None, int(flat.numel())
@@ -243,18 +313,40 @@ def te_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
     gate_up_bias, down_bias = _biases(self) or (None, None)
     with torch.no_grad():
-        token, slot, splits, dest, total = _routing(top_k_index, self.num_experts, _fp8_row_multiple())
-    hidden = _grouped(self.te_gate_up, gate_up, gate_up_bias, hidden_states[token], splits, dest, total)
-    hidden = self._apply_gate(hidden)
-    out = _grouped(self.te_down, down, down_bias, hidden, splits, dest, total)
+        token, slot, splits, dest, total = _routing(top_k_index, self.num_experts, _fp8_row_multiple(),
+                                                    _expert_parallel(self))
+    with _expert_autocast(self):
+        hidden = _grouped(self.te_gate_up, gate_up, gate_up_bias, hidden_states[token], splits, dest, total)
+        hidden = self._apply_gate(hidden)
+        out = _grouped(self.te_down, down, down_bias, hidden, splits, dest, total)
     out = out * top_k_weights[token, slot, None]
     final = torch.zeros_like(hidden_states)
     final.index_add_(0, token, out.to(final.dtype))
     return final
 
 
+def _expert_autocast(module):
+    """Under expert parallelism, TE's autocast again with the same recipe but the experts' replica group: TE keys
+    its amax buffers by (recipe, group), so the runners' delayed-scaling amaxes are max-reduced over the ranks that
+    hold the same experts — position *i* of a runner is a different global expert on each EP rank — while every
+    other module keeps the model's group. A nested autocast reduces nothing itself (TE reduces every key at the
+    outermost exit, each on its own group). Elsewhere, or with FP8 off: nothing."""
+    import contextlib
+
+    group = getattr(module, AMAX_GROUP_ATTR, None)
+    manager = te_internals.fp8_global_state()
+    if group is None or not manager.is_fp8_enabled():
+        return contextlib.nullcontext()
+    import transformer_engine.pytorch as te
+
+    from .fp8_autocast import te_autocast
+
+    return te_autocast(te)(True, manager.get_fp8_recipe(), group)
+
+
 def _install(te, module, tp_size: int) -> None:
-    experts, two_i, hidden = _out_in(module, module.gate_up_proj)
+    _, two_i, hidden = _out_in(module, module.gate_up_proj)
+    experts = _local_experts(module)
     dtype = module.gate_up_proj.dtype
     local_i = two_i // 2 // tp_size
     bias = _biases(module) is not None
@@ -264,7 +356,12 @@ def _install(te, module, tp_size: int) -> None:
         runner.train(module.training)
         module.add_module(name, runner)
     forward = MethodType(te_experts_forward, module)
-    if not transformers_tp.replace_original_forward(module, forward):
+    if _expert_parallel(module):
+        group = expert_replica_group(module)
+        for target in (module, gate_up, down):
+            setattr(target, AMAX_GROUP_ATTR, group)
+        transformers_ep.replace_experts_forward(module, forward)
+    elif not transformers_tp.replace_original_forward(module, forward):
         module.forward = forward
     setattr(module, CONVERTED_ATTR, True)
 

@@ -25,7 +25,7 @@ from .checkpoint import keep_fp8_state_in_checkpoints
 from . import fp8_all_gather
 from .fp8_autocast import te_autocast, wrap_forward
 from .fp8_plan import Fp8Plan, plan_fp8
-from .fp8_state import broadcast_fp8_state, register_tensor_state
+from .fp8_state import amax_group_of, broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
 from .presharded import check_mesh_matches
@@ -175,10 +175,12 @@ def finish_fp8_prepare(accelerator, model, plan: Fp8Plan) -> Fp8Setup:
         warn_user(message)  # FP8 was asked for and is off: the user must know, at their prepare() line
         return setup
     setup.recipe = recipe
-    # FP8 state now, on the module's device (as the first FP8 forward would create it), then registered.
-    with torch.no_grad(), te_autocast(te)(True, recipe, group):
+    # FP8 state now, on the module's device (as the first FP8 forward would create it), then registered; TE keeps
+    # the group a module's amaxes are reduced over from here (expert-parallel experts: their own, moe_experts.py).
+    with torch.no_grad():
         for module in conversion.te_modules:
-            init_fp8_metadata(module, gemms_per_forward(module))
+            with te_autocast(te)(True, recipe, amax_group_of(module, group)):
+                init_fp8_metadata(module, gemms_per_forward(module))
     if plan.all_gather:
         setup.all_gather = fp8_all_gather.install(model, conversion.te_modules, recipe, group)
     setup.registered_state = register_tensor_state(model, conversion.te_modules, attrs=FP8_STATE_ATTRS)

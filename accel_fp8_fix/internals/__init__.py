@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("torch_fsdp2", "torch_internals", "torch_context_parallel", "transformers_tp", "accelerate_internals",
-           "transformer_engine")
+MODULES = ("torch_fsdp2", "torch_internals", "torch_context_parallel", "transformers_tp", "transformers_ep",
+           "accelerate_internals", "transformer_engine")
 # the distributions whose installed versions check() needs (the engine reads them once, from metadata)
 DISTRIBUTIONS = ("accelerate", "torch", "transformers", "transformer-engine")
 

@@ -15,7 +15,9 @@ globals a torch pickle names.
 - ``torch.distributed.distributed_c10d._world.pg_map``: every process group this rank belongs to (the exit
   handler drains each gloo group before destroying them, ``fixes/clean_exit.py``);
 - ``torch._utils._rebuild_tensor_v2`` / ``torch.storage._load_from_bytes``: the globals a pickled tensor names
-  (TE's extra state), for a restricted unpickler.
+  (TE's extra state), for a restricted unpickler;
+- ``DeviceMesh._flatten()``: one process group over several mesh dims (the ranks holding the same experts under
+  transformers' expert parallelism with HSDP: ``dp_replicate`` x ``efsdp``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _SOURCES = (
     ("distributed/distributed_c10d.py", "_world = _World()"),
     ("_utils.py", "def _rebuild_tensor_v2("),
     ("storage.py", "def _load_from_bytes("),
+    ("distributed/device_mesh.py", "def _flatten("),
 )
 
 
@@ -131,3 +134,8 @@ def pickled_tensor_globals(load_storage) -> dict:
         ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
         ("torch.storage", "_load_from_bytes"): load_storage,
     }
+
+
+def flatten_mesh(mesh):
+    """``mesh`` (several dims) as one flattened 1-D mesh (``DeviceMesh._flatten``); every rank calls it alike."""
+    return mesh._flatten()

@@ -555,10 +555,11 @@ def _prepare_and_train_llama(acc, model, facts, steps, lr, reference=True):
     return facts
 
 
-def load_sharded_by_transformers(model, tp_size: int, fsdp_size: int):
+def load_sharded_by_transformers(model, tp_size: int, fsdp_size: int, ep_size: int | None = None):
     """N-D loading as transformers 5.x documents it: ``from_pretrained(path, distributed_config=
-    DistributedConfig(tp_size, fsdp_size))`` — transformers applies TP *and* FSDP2 at load, on a mesh of its own.
-    ``model`` is saved first by rank 0 (transformers saves and reads on rank 0 only) in a folder all ranks share."""
+    DistributedConfig(tp_size, fsdp_size[, ep_size]))`` — transformers applies TP (or EP) *and* FSDP2 at load, on a
+    mesh of its own. ``model`` is saved first by rank 0 (transformers saves and reads on rank 0 only) in a folder all
+    ranks share."""
     import shutil
     import tempfile
 
@@ -571,7 +572,8 @@ def load_sharded_by_transformers(model, tp_size: int, fsdp_size: int):
     try:
         model.save_pretrained(path)  # rank 0 writes
         dist.barrier()
-        config = DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size)
+        config = DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size,
+                                   **({"ep_size": ep_size} if ep_size is not None else {}))
         return type(model).from_pretrained(path, distributed_config=config, dtype=model.dtype)
     finally:
         dist.barrier()

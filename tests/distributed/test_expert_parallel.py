@@ -1,0 +1,72 @@
+"""Expert parallelism with FP8 (issue 30 item 1, fixes/moe_experts.py): a Qwen3-MoE loaded the way transformers 5.x
+documents for large MoE models — ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=4,
+ep_size=2))``: whole experts per EP rank (``Shard(0)`` on ``ep``), FSDP2 over the expert replicas (``efsdp``), the
+token dispatch an all-to-all over gloo — then accelerate FSDP2 + fp8 with the package, 4 ranks, against one process.
+
+Each rank's local experts run on TE grouped GEMMs in FP8; their delayed-scaling amaxes are reduced over the ranks
+that hold the same experts (``efsdp``), every other module's over the whole mesh. The collective-order audit of the
+pool checks that every rank's collectives agree, also when one EP rank gets no tokens at all.
+"""
+
+import pytest
+
+from support import ep_scenarios, scenarios
+
+PLAN = [("sc_ep", {"fp8": True}), ("sc_ep", {"fp8": False}), ("sc_ep", {"fp8": True, "skew": [0, 1]})]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return scenarios.launch(ep_scenarios, PLAN, 4)
+
+
+def _facts(launched, kw):
+    return scenarios.facts_of(launched, scenarios.key_of(PLAN, "sc_ep", kw))
+
+
+@pytest.mark.parametrize("kw", [kw for _, kw in PLAN], ids=["fp8", "fp8-off", "fp8-one-ep-rank-idle"])
+def test_experts_under_ep_train_like_the_one_process_reference(launched, kw):
+    for rank, f in enumerate(_facts(launched, kw)):
+        assert f["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], f["skipped"]
+        assert not any("experts" in n for n in f["skipped"]), f["skipped"]
+        assert (f["ep_rank"], f["local_experts"]) == (rank % 2, 2)
+        if kw["fp8"]:  # step 0 to summation order, later steps within FP8 resolution (as FSDP2 without EP)
+            assert f["stats"]["fp8_gemms"] > 0 and f["stats"]["non_fp8_gemms"] == 0
+            assert f["stats"]["grouped_gemms"] == 12 * ep_scenarios.STEPS  # 2 layers x 2 runners x fwd/dgrad/wgrad
+            assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4)
+            assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+            assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=3e-2)
+            assert f["fp8_share_outside_lm_head"] >= 0.9, f["high_precision"]
+        else:  # TE autocast off: the converted experts under EP are transformers' fp32 model
+            assert f["stats"]["fp8_gemms"] == 0
+            assert f["losses"] == pytest.approx(f["reference"], rel=1e-6)
+            assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("kw", [PLAN[0][1], PLAN[2][1]], ids=["fp8", "fp8-one-ep-rank-idle"])
+def test_each_expert_shares_its_scales_with_the_ranks_holding_it_and_no_other_expert(launched, kw):
+    """Position i of a rank's GroupedLinear is global expert ep_rank * 2 + i: its amaxes are reduced over the ranks
+    holding that expert (efsdp: ranks {0, 2} and {1, 3}), so after step 0 each rank's forward amax histories equal
+    the one-process reference's columns of *its* experts bit for bit — and not the other EP rank's experts'."""
+    facts = _facts(launched, kw)
+    for rank, f in enumerate(facts):
+        assert f["expert_group"] == [rank % 2, rank % 2 + 2]
+        assert all(f["amax_step0_equal_reference"].values()), f["amax_step0_equal_reference"]
+        assert not any(f["amax_step0_equal_other_experts"].values())
+        groups = f["stats"]["amax_reduction_groups"]
+        assert set(map(str, groups)) == {"WORLD", str(f["expert_group"])}, groups  # the model's, the experts'
+    for step in range(ep_scenarios.STEPS):  # the same FP8 state where the experts are the same, not elsewhere
+        states = [f["amax_states"][step] for f in facts]
+        assert states[0] == states[2] and states[1] == states[3]
+        assert all(states[0][k] != states[1][k] for k in states[0])
+
+
+def test_an_ep_rank_without_tokens_still_runs_every_collective(launched):
+    """Every token routed to experts 0 and 1 (EP rank 0): EP rank 1's experts get none — transformers hands them one
+    zero row to keep backward connected, padded to 16 — and the ranks' collectives still agree (the pool's audit)."""
+    facts = _facts(launched, PLAN[2][1])
+    for rank, f in enumerate(facts):
+        if rank % 2:
+            assert f["rows_per_step"] == [16] * ep_scenarios.STEPS
+        else:
+            assert min(f["rows_per_step"]) > 16

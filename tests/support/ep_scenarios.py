@@ -1,0 +1,137 @@
+"""Expert parallelism with FP8 (issue 30 item 1): MoE models sharded at load by transformers
+(``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=F, ep_size=E))``: its EP token dispatch —
+an all-to-all over gloo — and its FSDP2, the experts on their own ``efsdp`` mesh), then accelerate FSDP2 + fp8
+with the package (tests/distributed/test_expert_parallel.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+from . import fp8_scenarios
+from . import moe_scenarios
+from . import scenarios
+from . import zoo_scenarios
+
+STEPS = 3
+LAUNCH = {**fp8_scenarios.LAUNCH, "timeout": 400.0}
+RUNNERS = ("te_gate_up", "te_down")
+
+
+def _runners(model) -> dict:
+    """{"<layer>.<runner>": TE GroupedLinear} of every experts module."""
+    return {f"{n.split('.')[2]}.{r}": getattr(m, r) for n, m in model.named_modules()
+            if n.endswith("mlp.experts") and hasattr(m, RUNNERS[0]) for r in RUNNERS}
+
+
+def _fwd_amax(model) -> dict:
+    return {k: r.fp8_meta["scaling_fwd"].amax_history.clone() for k, r in _runners(model).items()}
+
+
+@contextlib.contextmanager
+def _skewed_routing(model, experts):
+    """Every token routed to ``experts`` (a forward hook on transformers' router, whose output is (logits, top-k
+    scores, top-k indices)): the EP rank holding none of them gets no rows at all."""
+    import torch
+
+    def hook(module, args, output):
+        logits, scores, indices = output
+        return logits, scores, torch.tensor(list(experts), dtype=indices.dtype).expand_as(indices).contiguous()
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def reference(family, fp8, steps, skew=None):
+    """One process, full batch: (losses, clipped grad norms, the experts' forward amax histories after step 0)."""
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+
+    model = zoo_scenarios.build(family)
+    model.config._experts_implementation = "eager"
+    if fp8:
+        convert_after_sharding(model, te, exclude=("lm_head",))
+    amax = {}
+    with _skewed_routing(model, skew) if skew else contextlib.nullcontext():
+        losses, norms = fp8_scenarios.train_te_reference(
+            model, moe_scenarios._recipe("delayed"), zoo_scenarios.batch(), steps, moe_scenarios.LR, 1e9, fp8=fp8,
+            after_first_backward=lambda m: amax.update(_fwd_amax(m) if fp8 else {}))
+    return losses, norms, amax
+
+
+def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=STEPS, skew=None):
+    """Train ``steps`` steps of ``family`` loaded with transformers' FSDP2 x EP and prepared by the package: losses,
+    clipped grad norms and the experts' FP8 state against the one-process reference. ``skew``: every token routed
+    to those experts (the other EP rank runs none)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from accel_fp8_fix.fixes.fp8_state import AMAX_GROUP_ATTR
+
+    warnings.simplefilter("ignore")
+    scenarios.ensure_rehearsal(True)
+    ref = reference(family, fp8, steps, skew)
+    acc = scenarios.make_accelerator(
+        fsdp=True, dp_shard=fsdp, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
+        wrap_cls=[moe_scenarios.DECODER_LAYER[family]],
+        mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+    model = zoo_scenarios.build(family)
+    model.config._experts_implementation = "eager"
+    model = scenarios.load_sharded_by_transformers(model, tp_size=1, fsdp_size=fsdp, ep_size=ep)
+    model.train()
+    experts = model.model.layers[0].mlp.experts
+    ep_rank = experts.gate_up_proj.device_mesh["ep"].get_local_rank()
+    local = experts.num_experts
+    opt = torch.optim.SGD(model.parameters(), lr=moe_scenarios.LR)
+    model, opt = acc.prepare(model, opt)
+    setup = acc.accel_fp8_fix
+    dp_rank, dp_size = zoo_scenarios._data_rank(acc, "fsdp2")
+    per = zoo_scenarios.GLOBAL_BATCH // dp_size
+    data = zoo_scenarios.batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    if not fp8:  # the same prepared model with TE autocast off (eval mode: the wrapped forward turns FP8 off)
+        model.eval()
+    counts = []
+    hook = experts.te_gate_up.register_forward_pre_hook(lambda m, args: counts.append(int(sum(args[1]))))
+    scenarios.te_reset()
+    losses, norms, amax0, states = [], [], {}, []
+    with _skewed_routing(model, skew) if skew else contextlib.nullcontext():
+        for step in range(steps):
+            loss = model(**data).loss
+            acc.backward(loss)
+            if step == 0 and fp8:
+                amax0 = _fwd_amax(model)
+            norms.append(float(acc.clip_grad_norm_(model.parameters(), 1e9)))
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(float(value) / world_size)
+            states.append({k: float(v.double().sum()) for k, v in _fwd_amax(model).items()})
+    hook.remove()
+    import accel_fp8_fix
+
+    coverage = accel_fp8_fix.audit(model, acc).coverage
+    output_layer = acc.unwrap_model(model).lm_head.weight.numel()  # global elements
+    group = getattr(experts, AMAX_GROUP_ATTR, None)
+    # this rank's experts' columns of the reference's amax histories: GEMM i's three forward tensors are
+    # columns 3i..3i+2 (TE's GroupedLinear), global expert = ep_rank * local + i
+    cols = slice(3 * ep_rank * local, 3 * (ep_rank + 1) * local)
+    facts = {"experts": setup.conversion.experts, "skipped": dict(setup.conversion.skipped),
+             "losses": losses, "reference": ref[0], "grad_norms": norms, "reference_grad_norms": ref[1],
+             "coverage": coverage.fp8_param_share, "high_precision": coverage.high_precision,
+             "fp8_share_outside_lm_head": coverage.fp8_params / (coverage.gemm_params - output_layer),
+             "stats": scenarios.te_stats(), "ep_rank": ep_rank, "local_experts": local,
+             "expert_group": dist.get_process_group_ranks(group) if group is not None else None,
+             "rows_per_step": counts, "amax_states": states,
+             "amax_step0_equal_reference": {k: bool(torch.equal(v, ref[2][k][:, cols])) for k, v in amax0.items()},
+             "amax_step0_equal_other_experts": {
+                 k: bool(torch.equal(v, ref[2][k][:, slice(3 * (1 - ep_rank) * local, 3 * (2 - ep_rank) * local)]))
+                 for k, v in amax0.items()} if ep == 2 else None}
+    fp8_scenarios.reset_te_global_state()
+    return facts
