@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..internals.accelerate_internals import prepared_models
 from ..internals.transformer_engine import keep_fp8_checkpoint
-from . import packed_checkpoint, tp_checkpoint
+from . import ep_checkpoint, packed_checkpoint, tp_checkpoint
 from .fp8_state import broadcast_fp8_state, reduce_pending_amax
 
 
@@ -44,7 +44,8 @@ def save_state(wrapped, instance, args, kwargs):
     parameter (and its optimizer state) reaches DCP as one chunk per row range a rank holds (A16)."""
     models = prepared_models(instance)
     _reduce_pending(instance, models)
-    with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance):
+    with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance), \
+            ep_checkpoint.expert_parallel_fp8_state(instance):
         return wrapped(*args, **kwargs)  # TP without FSDP: models / optimizers through DCP (A21)
 
 
@@ -91,9 +92,10 @@ def load_state(wrapped, instance, args, kwargs):
     """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group). A sharded
     checkpoint DCP cannot load into the prepared models is refused by name first (A21); TP-packed parameters are
     read chunk by chunk into their row ranges (A16)."""
-    tp_checkpoint.check_sharded_load(instance, args[0] if args else kwargs.get("input_dir"))
-    with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance):
-        result = wrapped(*args, **kwargs)  # TP without FSDP: models / optimizers through DCP (A21)
+    with ep_checkpoint.expert_parallel_fp8_state(instance):  # the keys the check compares are the ones DCP reads
+        tp_checkpoint.check_sharded_load(instance, args[0] if args else kwargs.get("input_dir"))
+        with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance):
+            result = wrapped(*args, **kwargs)  # TP without FSDP: models / optimizers through DCP (A21)
     setup = _fp8_setup(instance)
     if setup is not None:
         for model in prepared_models(instance):

@@ -79,6 +79,20 @@ def keep_fp8_checkpoint(module) -> None:
     module.fp8_meta["fp8_checkpoint"] = True
 
 
+def delayed_scaling_tensors(module) -> dict:
+    """{"fwd.amax_history" / "fwd.scale" / "bwd...": the live tensor} of a module's delayed-scaling state (the
+    history is ``[len, tensors]``, the scale ``[tensors]``; a GroupedLinear's tensors are GEMM-major); empty for
+    other recipes."""
+    out = {}
+    for direction in ("fwd", "bwd"):
+        state = module.fp8_meta.get(f"scaling_{direction}")
+        for name in ("amax_history", "scale"):
+            tensor = getattr(state, name, None)
+            if isinstance(tensor, __import__("torch").Tensor):
+                out[f"{direction}.{name}"] = tensor
+    return out
+
+
 def rebuild_quantizers(module) -> None:
     """TE 2.x quantizers hold views of the recipe-state tensors; rebuild them after the tensors moved."""
     quantizers = getattr(module, "quantizers", None)

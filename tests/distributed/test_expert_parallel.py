@@ -16,8 +16,9 @@ PLAN = [("sc_ep", {"fp8": True}), ("sc_ep", {"fp8": False}), ("sc_ep", {"fp8": T
 
 
 @pytest.fixture(scope="module")
-def launched():
-    return scenarios.launch(ep_scenarios, PLAN, 4)
+def launched(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("ep_checkpoint"))
+    return scenarios.launch(ep_scenarios, PLAN + [("sc_ep_checkpoint", {"out_dir": out_dir})], 4)
 
 
 def _facts(launched, kw):
@@ -70,3 +71,17 @@ def test_an_ep_rank_without_tokens_still_runs_every_collective(launched):
             assert f["rows_per_step"] == [16] * ep_scenarios.STEPS
         else:
             assert min(f["rows_per_step"]) > 16
+
+
+def test_save_state_and_load_state_keep_every_ep_ranks_expert_fp8_state(launched):
+    """The experts runners' FP8 state differs per EP rank (each holds its own experts'); a plain ``_extra_state``
+    reaches DCP as a replicated value written by one rank, so every EP rank loaded that rank's experts' scales.
+    Inside save_state / load_state it is handed to DCP sharded on ``ep`` by expert: a differently initialised EP
+    model loads every local parameter shard and every piece of FP8 state bit for bit, and resumes exactly."""
+    (key,) = [k for k in launched[0] if k.startswith("sc_ep_checkpoint")]
+    facts = scenarios.facts_of(launched, key)
+    for f in facts:
+        assert f["params_unequal"] == [] and f["fp8_unequal"] == [], (f["params_unequal"], f["fp8_unequal"])
+        assert f["expert_fp8_keys"] == 16 and f["fp8_compared"] == 48  # 2 layers x 2 runners x fwd/bwd x 2 tensors
+        assert f["loss_resumed"] == f["loss_after"]
+    assert facts[0]["expert_fp8_sum"] == facts[2]["expert_fp8_sum"] != facts[1]["expert_fp8_sum"]

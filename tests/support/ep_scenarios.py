@@ -135,3 +135,76 @@ def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=ST
                  for k, v in amax0.items()} if ep == 2 else None}
     fp8_scenarios.reset_te_global_state()
     return facts
+
+
+def _prepared_ep(family, fsdp, ep, seed=0):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    acc = scenarios.make_accelerator(
+        fsdp=True, dp_shard=fsdp, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
+        wrap_cls=[moe_scenarios.DECODER_LAYER[family]],
+        mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+    model = zoo_scenarios.build(family, seed=seed)
+    model.config._experts_implementation = "eager"
+    model = scenarios.load_sharded_by_transformers(model, tp_size=1, fsdp_size=fsdp, ep_size=ep)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=moe_scenarios.LR)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _local_state(model) -> dict:
+    """This rank's local parameter shards and the experts runners' FP8 state (clones)."""
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+
+    params = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
+    fp8 = {k: v.clone() for k, v in fp8_state_tensors(model).items()}
+    return {"params": params, "fp8": fp8}
+
+
+def _train_steps(acc, model, opt, steps):
+    dp_rank, dp_size = zoo_scenarios._data_rank(acc, "fsdp2")
+    per = zoo_scenarios.GLOBAL_BATCH // dp_size
+    data = zoo_scenarios.batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    losses = []
+    for _ in range(steps):
+        loss = model(**data).loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def sc_ep_checkpoint(rank, world_size, out_dir, family="qwen3_moe", fsdp=4, ep=2):
+    """Train 2 steps under EP, ``save_state``; a differently initialised EP model loads it: every local parameter
+    shard and every piece of FP8 state (the experts' per EP rank) bit for bit, then the next step's loss equal."""
+    import os
+
+    import torch
+
+    warnings.simplefilter("ignore")
+    scenarios.ensure_rehearsal(True)
+    acc, model, opt = _prepared_ep(family, fsdp, ep)
+    _train_steps(acc, model, opt, 2)
+    path = os.path.join(out_dir, "ep")
+    acc.save_state(path)
+    saved = _local_state(model)
+    after = _train_steps(acc, model, opt, 1)
+    fp8_scenarios.reset_te_global_state()
+    acc2, model2, opt2 = _prepared_ep(family, fsdp, ep, seed=99)
+    acc2.load_state(path)
+    got = _local_state(model2)
+    resumed = _train_steps(acc2, model2, opt2, 1)
+    fp8_scenarios.reset_te_global_state()
+
+    def unequal(kind):
+        return sorted(k for k, v in saved[kind].items() if k not in got[kind] or not torch.equal(v, got[kind][k]))
+
+    experts = [k for k in saved["fp8"] if ".experts.te_" in k]
+    return {"params_unequal": unequal("params"), "fp8_unequal": unequal("fp8"), "fp8_compared": len(saved["fp8"]),
+            "expert_fp8_keys": len(experts),
+            "expert_fp8_sum": sum(float(saved["fp8"][k].double().sum()) for k in experts),
+            "loss_after": after, "loss_resumed": resumed}
