@@ -85,3 +85,22 @@ def test_save_state_and_load_state_keep_every_ep_ranks_expert_fp8_state(launched
         assert f["expert_fp8_keys"] == 16 and f["fp8_compared"] == 48  # 2 layers x 2 runners x fwd/bwd x 2 tensors
         assert f["loss_resumed"] == f["loss_after"]
     assert facts[0]["expert_fp8_sum"] == facts[2]["expert_fp8_sum"] != facts[1]["expert_fp8_sum"]
+
+
+def test_the_export_of_an_ep_model_loads_in_plain_transformers(launched):
+    """``save_model`` of the EP model in FP8 (full tensors, no FP8 state) next to the family's config: plain
+    transformers loads it in this process with no missing or unexpected key, every parameter equal to the trained
+    model's full tensor."""
+    import torch
+    import transformers
+
+    from support import zoo_scenarios
+
+    (key,) = [k for k in launched[0] if k.startswith("sc_ep_checkpoint")]
+    export = scenarios.facts_of(launched, key)[0]["export"]
+    zoo_scenarios.build("qwen3_moe").config.save_pretrained(export)  # save_model writes the weights only
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    want = torch.load(f"{export}_reference.pt")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert sorted(n for n, _ in model.named_parameters()) == sorted(want)
+    assert [n for n, p in model.named_parameters() if not torch.equal(p, want[n])] == []

@@ -192,6 +192,13 @@ def sc_ep_checkpoint(rank, world_size, out_dir, family="qwen3_moe", fsdp=4, ep=2
     path = os.path.join(out_dir, "ep")
     acc.save_state(path)
     saved = _local_state(model)
+    export = os.path.join(out_dir, "export")
+    acc.save_model(model, export)  # an export: full tensors, no FP8 state, loadable by plain transformers
+    acc.wait_for_everyone()
+    full = {n: scenarios.full_tensor(p).detach().clone() for n, p in model.named_parameters()}  # every rank
+    if rank == 0:  # what the export must hold; the test loads it with plain transformers in its own process
+        torch.save(full, f"{export}_reference.pt")
+    acc.wait_for_everyone()
     after = _train_steps(acc, model, opt, 1)
     fp8_scenarios.reset_te_global_state()
     acc2, model2, opt2 = _prepared_ep(family, fsdp, ep, seed=99)
@@ -205,6 +212,6 @@ def sc_ep_checkpoint(rank, world_size, out_dir, family="qwen3_moe", fsdp=4, ep=2
 
     experts = [k for k in saved["fp8"] if ".experts.te_" in k]
     return {"params_unequal": unequal("params"), "fp8_unequal": unequal("fp8"), "fp8_compared": len(saved["fp8"]),
-            "expert_fp8_keys": len(experts),
+            "expert_fp8_keys": len(experts), "export": export,
             "expert_fp8_sum": sum(float(saved["fp8"][k].double().sum()) for k in experts),
             "loss_after": after, "loss_resumed": resumed}
