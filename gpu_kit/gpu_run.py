@@ -133,8 +133,9 @@ def _libstdcxx_glibcxx() -> str | None:
     return None
 
 
-# what only context parallelism needs beyond FSDP2 / TP (torch's ring rotates K / V and their gradients with
-# all-gathers and all-to-alls: the collective-order audit records both on CPU, tests/distributed/test_context_parallel.py)
+# what only context parallelism and expert parallelism need beyond FSDP2 / TP (torch's ring rotates K / V and their
+# gradients with all-gathers and all-to-alls; transformers' EP dispatch sends tokens with all-to-alls: the
+# collective-order audit records them on CPU, tests/distributed/test_context_parallel.py, test_expert_parallel.py)
 CP_OPS = ("all_to_all_single",)
 
 
@@ -247,7 +248,7 @@ fp8_config:
 fsdp_config:
   fsdp_version: 2
   fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_transformer_layer_cls_to_wrap: {layer}
   fsdp_cpu_ram_efficient_loading: false
 {parallelism}"""
 
@@ -269,12 +270,16 @@ def ranks_runs(run: Run) -> None:
             ("fsdp2_tp_loaded", 4, fsdp2_tp, "distributed_config")]  # transformers' N-D loading (A18)
     if answers["gloo"].get("cp_ok"):
         jobs.append(("fsdp2_cp", 4, fsdp2_cp, "build"))  # FSDP2 x CP inside maybe_context_parallel (functional)
+        # transformers' expert parallelism at load (fsdp 4 x ep 2: its all-to-all token dispatch), experts in FP8
+        jobs.append(("fsdp2_ep", 4, "parallelism_config:\n  parallelism_config_dp_shard_size: 4\n", "expert_parallel"))
     else:
-        run.stage("ranks_fsdp2_cp", skipped="the collectives context parallelism needs beyond FSDP2 "
-                                            f"({', '.join(CP_OPS)}) failed the probe on this GPU over gloo")
+        for job, what in (("ranks_fsdp2_cp", "context parallelism"), ("ranks_fsdp2_ep", "expert parallelism")):
+            run.stage(job, skipped=f"the collectives {what} needs beyond FSDP2 ({', '.join(CP_OPS)}) failed the "
+                                   "probe on this GPU over gloo")
     for name, world, parallelism, load in jobs:
         config = STATE / f"ranks_{name}.yaml"
-        config.write_text(RANKS_CONFIG.format(world=world, parallelism=parallelism))
+        layer = "Qwen3MoeDecoderLayer" if load == "expert_parallel" else "LlamaDecoderLayer"
+        config.write_text(RANKS_CONFIG.format(world=world, parallelism=parallelism, layer=layer))
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                    "--main_process_port", "0", str(kit.ROOT / "gpu_kit" / "ranks_job.py"), RANKS_BACKEND, "3", load]
         env = kit.site_env()

@@ -6,7 +6,10 @@ NCCL refuses two ranks on one device, so the process group is made here with the
 found working (gloo: CUDA tensors through host memory), before accelerate makes its own; and every rank is
 told it is local rank 0 (accelerate would put rank r on cuda:r). Rank 0 prints ``RANKS_RESULT {json}``.
 Usage (gpu_kit.gpu_run does this): accelerate launch --config_file X gpu_kit/ranks_job.py <backend> <steps> [load]
-(load: "build", the model built and TP-sharded here; "distributed_config", loaded N-D by transformers).
+(load: "build", the model built and TP-sharded here; "distributed_config", loaded N-D by transformers;
+"expert_parallel", a Qwen3-MoE loaded with ``DistributedConfig(fsdp_size=world, ep_size=2)``: transformers' EP,
+its all-to-all dispatch, each rank's experts on TE grouped GEMMs in FP8 — FP8 state compared within each group of
+ranks holding the same experts, the rest across all ranks).
 With a ``cp`` dim (FSDP2 x CP) each step runs inside ``accelerator.maybe_context_parallel`` as README "Context
 parallelism" writes it (``input_ids``, ``shift_labels``, ``position_ids`` as buffers): a functional check — loss
 finite and the same global loss on every rank, FP8 state equal — not a throughput figure (the ranks share one GPU).
@@ -46,9 +49,20 @@ def shard_tensor_parallel(model, tp_mesh):
     return model
 
 
-def load_distributed(model, tp_size, fsdp_size):
+def build_moe(seed=0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, max_position_embeddings=256, decoder_sparse_step=1,
+                            tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(config)
+
+
+def load_distributed(model, tp_size, fsdp_size, ep_size=None):
     """N-D loading the transformers 5.x way (A18): rank 0 saves, every rank loads with
-    ``DistributedConfig(tp_size, fsdp_size)`` — transformers applies TP and FSDP2 at load."""
+    ``DistributedConfig(tp_size, fsdp_size[, ep_size])`` — transformers applies TP (or EP) and FSDP2 at load."""
     import shutil
     import tempfile
 
@@ -59,7 +73,9 @@ def load_distributed(model, tp_size, fsdp_size):
     if dist.get_rank() == 0:
         model.save_pretrained(path[0])
     dist.barrier()
-    loaded = type(model).from_pretrained(path[0], distributed_config=DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size))
+    extra = {"ep_size": ep_size} if ep_size else {}
+    loaded = type(model).from_pretrained(
+        path[0], distributed_config=DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size, **extra))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path[0], ignore_errors=True)
@@ -88,10 +104,12 @@ def main(backend: str, steps: int, load: str = "build") -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = accelerator.torch_device_mesh
     names = tuple(mesh.mesh_dim_names) if mesh is not None else ()
-    model = build_model()
+    model = build_moe() if load == "expert_parallel" else build_model()
     if load == "distributed_config":
         pc = accelerator.parallelism_config
         model = load_distributed(model, tp_size=pc.tp_size, fsdp_size=pc.dp_shard_size)
+    elif load == "expert_parallel":
+        model = load_distributed(model, tp_size=1, fsdp_size=accelerator.parallelism_config.dp_shard_size, ep_size=2)
     elif "tp" in names and mesh["tp"].size() > 1:
         model = shard_tensor_parallel(model, mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -127,8 +145,15 @@ def main(backend: str, steps: int, load: str = "build") -> None:
     states, rank_losses = [None] * world, [None] * world
     dist.all_gather_object(states, fp8_state(model))
     dist.all_gather_object(rank_losses, losses)
+    experts = getattr(setup, "conversion", None)
+    experts = list(experts.experts) if experts is not None else []
     if rank == 0:
-        unequal = sorted(k for k in states[0] if any(s.get(k) != states[0][k] for s in states[1:]))
+        # under EP the experts' runners hold each EP rank's own experts: compared within ranks of the same EP rank
+        ep = 2 if load == "expert_parallel" else 1
+        shared = [k for k in states[0] if not (ep > 1 and ".experts.te_" in k)]
+        unequal = sorted(k for k in shared if any(s.get(k) != states[0][k] for s in states[1:]))
+        unequal += sorted(k for k in states[0] if k not in shared
+                          if any(states[r].get(k) != states[r % ep].get(k) for r in range(ep, world)))
         moved = sum(1 for k, v in states[0].items() if k.endswith(".scale") and any(x != 1.0 for x in v))
         import accel_fp8_fix
 
@@ -142,6 +167,7 @@ def main(backend: str, steps: int, load: str = "build") -> None:
             "fp8_active_each_step": fp8_active, "fp8_state_entries": len(states[0]), "scales_moved": moved,
             "equal_fp8_state_across_ranks": not unequal and bool(states[0]), "unequal": unequal[:10],
             "amax_group_ranks": list(setup.amax_group_ranks) if setup is not None else None,
+            "experts_in_fp8": experts,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
         }
         print("RANKS_RESULT " + json.dumps(result), flush=True)
