@@ -1,4 +1,4 @@
-"""Expert-parallel experts' FP8 state through sharded checkpoints (issue 30 item 1).
+"""MoE experts' FP8 state through sharded checkpoints, expert parallelism or not (issue 30 item 1).
 
 Under transformers' expert parallelism the TE runners of an experts module (``te_gate_up`` / ``te_down``,
 fixes/moe_experts.py) hold the FP8 state of *this EP rank's* experts: GEMM *i* is global expert
@@ -9,7 +9,10 @@ half the runners held another expert's state). Inside ``save_state`` / ``load_st
 on the experts' own mesh — ``Shard`` on ``ep`` along the tensor axis (each rank's block is exactly its experts'
 tensors, GEMM-major), ``Replicate`` on the other dims (the ranks holding the same experts hold the same state).
 DCP writes each expert's state once and loads it in place into the live tensors; the load then hands TE its own
-``_extra_state`` back. Outside the two calls nothing changes (exports leave FP8 state out anyway).
+``_extra_state`` back. Without EP (experts FSDP2- or TP-sharded, their state the same on every rank) the same keys
+carry ``Replicate`` DTensors of every expert's state, so a checkpoint loads across EP sizes (EP 2 -> no EP -> EP 2):
+DCP reshards the per-expert blocks. Recipes without delayed-scaling tensors keep their ``_extra_state``. Outside
+the two calls nothing changes (exports leave FP8 state out anyway).
 """
 
 from __future__ import annotations
@@ -32,18 +35,21 @@ def _key(runner: str, name: str) -> str:
     return f"{KEY}_{runner}_{name.replace('.', '_')}"
 
 
-def _expert_parallel_experts(model) -> list:
-    return [m for m in model.modules() if is_converted(m) and getattr(m, AMAX_GROUP_ATTR, None) is not None
-            and is_dtensor(getattr(m, "gate_up_proj", None))]
+def _sharded_experts(model) -> list:
+    """Converted experts modules on a device mesh (expert-parallel or FSDP2 / TP-sharded)."""
+    return [m for m in model.modules() if is_converted(m) and is_dtensor(getattr(m, "gate_up_proj", None))]
 
 
 def _as_dtensors(experts, runner) -> dict:
-    """The runner's delayed-scaling tensors as DTensors on the experts' mesh, sharded on ``ep`` by expert."""
+    """The runner's delayed-scaling tensors as DTensors on the experts' mesh: sharded on ``ep`` by expert under
+    expert parallelism (the ranks' blocks in EP order are the global experts in order), else replicated."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = experts.gate_up_proj.device_mesh
-    ep_dim = mesh.mesh_dim_names.index(EP_DIM)
-    ep = mesh.size(ep_dim)
+    names = tuple(mesh.mesh_dim_names or ())
+    expert_parallel = EP_DIM in names and getattr(experts, AMAX_GROUP_ATTR, None) is not None
+    ep_dim = names.index(EP_DIM) if expert_parallel else None
+    ep = mesh.size(ep_dim) if expert_parallel else 1
     out = {}
     for name, local in delayed_scaling_tensors(runner).items():
         axis = local.dim() - 1  # history [len, tensors], scale [tensors]: the tensor axis is the last
@@ -56,8 +62,11 @@ def _as_dtensors(experts, runner) -> dict:
 
 def _save_hook(module, state_dict, prefix, local_metadata) -> None:
     for name in RUNNERS:
+        tensors = _as_dtensors(module, getattr(module, name))
+        if not tensors:  # no delayed-scaling state (other recipes): TE's own _extra_state, as saved
+            continue
         state_dict.pop(f"{prefix}{name}.{EXTRA_STATE}", None)
-        for key, tensor in _as_dtensors(module, getattr(module, name)).items():
+        for key, tensor in tensors.items():
             state_dict[f"{prefix}{_key(name, key)}"] = tensor
 
 
@@ -66,7 +75,7 @@ def _load_pre_hook(module, state_dict, prefix, *args) -> None:
     for name in RUNNERS:
         runner = getattr(module, name)
         found = [state_dict.pop(f"{prefix}{_key(name, key)}", None) for key in delayed_scaling_tensors(runner)]
-        if any(t is not None for t in found):
+        if found and any(t is not None for t in found):
             state_dict[f"{prefix}{name}.{EXTRA_STATE}"] = runner.get_extra_state()
 
 
@@ -82,12 +91,12 @@ def _expose(experts) -> list:
 
 @contextlib.contextmanager
 def expert_parallel_fp8_state(accelerator):
-    """Inside ``save_state`` / ``load_state``: every prepared model's expert-parallel experts describe their
-    runners' FP8 state to DCP per expert (see the module docstring); nothing changes outside."""
+    """Inside ``save_state`` / ``load_state``: every prepared model's sharded experts describe their runners' FP8
+    state to DCP per expert (see the module docstring); nothing changes outside."""
     handles, exposed = [], []
     try:
         for model in prepared_models(accelerator):
-            for experts in _expert_parallel_experts(model):
+            for experts in _sharded_experts(model):
                 exposed.append((experts, _expose(experts)))
                 handles.append(experts.register_state_dict_post_hook(_save_hook))
                 handles.append(experts._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True))

@@ -18,7 +18,8 @@ PLAN = [("sc_ep", {"fp8": True}), ("sc_ep", {"fp8": False}), ("sc_ep", {"fp8": T
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("ep_checkpoint"))
-    return scenarios.launch(ep_scenarios, PLAN + [("sc_ep_checkpoint", {"out_dir": out_dir})], 4)
+    return scenarios.launch(ep_scenarios, PLAN + [("sc_ep_checkpoint", {"out_dir": out_dir}),
+                                                  ("sc_ep_resize", {"out_dir": out_dir})], 4)
 
 
 def _facts(launched, kw):
@@ -104,3 +105,15 @@ def test_the_export_of_an_ep_model_loads_in_plain_transformers(launched):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert sorted(n for n, _ in model.named_parameters()) == sorted(want)
     assert [n for n, p in model.named_parameters() if not torch.equal(p, want[n])] == []
+
+
+def test_a_checkpoint_loads_across_ep_sizes_and_back_bit_for_bit(launched):
+    """EP 2 saves; the same model without EP (experts FSDP2-sharded, each runner holding all 4 experts) loads every
+    weight and every expert's FP8 state — its runner's columns are EP rank 0's experts', then EP rank 1's — and
+    saves; EP 2 loads that back: each EP rank's experts' state bit for bit what it saved."""
+    (key,) = [k for k in launched[0] if k.startswith("sc_ep_resize")]
+    for f in scenarios.facts_of(launched, key):
+        assert not f["no_ep_experts_parallel"]
+        assert (f["ep_runner_shape"], f["no_ep_runner_shape"]) == ([16, 6], [16, 12])  # 3 forward tensors / GEMM
+        assert f["no_ep_fp8_unequal"] == [] and f["no_ep_params_unequal"] == []
+        assert f["back_fp8_unequal"] == [] and f["back_params_unequal"] == []

@@ -147,7 +147,7 @@ def _prepared_ep(family, fsdp, ep, seed=0):
         mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
     model = zoo_scenarios.build(family, seed=seed)
     model.config._experts_implementation = "eager"
-    model = scenarios.load_sharded_by_transformers(model, tp_size=1, fsdp_size=fsdp, ep_size=ep)
+    model = scenarios.load_sharded_by_transformers(model, tp_size=1, fsdp_size=fsdp, ep_size=ep)  # ep None: no EP
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=moe_scenarios.LR)
     model, opt = acc.prepare(model, opt)
@@ -215,3 +215,56 @@ def sc_ep_checkpoint(rank, world_size, out_dir, family="qwen3_moe", fsdp=4, ep=2
             "expert_fp8_keys": len(experts), "export": export,
             "expert_fp8_sum": sum(float(saved["fp8"][k].double().sum()) for k in experts),
             "loss_after": after, "loss_resumed": resumed}
+
+
+def _runner_state(model) -> dict:
+    """{"<layer>.<runner>.<fwd|bwd>.<tensor>": clone} of the experts runners' delayed-scaling tensors."""
+    from accel_fp8_fix.internals.transformer_engine import delayed_scaling_tensors
+
+    return {f"{k}.{n}": t.detach().clone() for k, r in _runners(model).items()
+            for n, t in delayed_scaling_tensors(r).items()}
+
+
+def _full_params(model) -> dict:
+    return {n: scenarios.full_tensor(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def sc_ep_resize(rank, world_size, out_dir, family="qwen3_moe", fsdp=4):
+    """A checkpoint across EP sizes: EP 2 saves; the model without EP (experts FSDP2-sharded) loads every weight
+    and every expert's FP8 state (its runners' columns: the EP ranks' blocks in EP order); it saves; EP 2 loads
+    that back — each EP rank's experts' state bit for bit what it saved."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    scenarios.ensure_rehearsal(True)
+    acc, model, opt = _prepared_ep(family, fsdp, 2)
+    _train_steps(acc, model, opt, 2)
+    acc.save_state(os.path.join(out_dir, "ep2"))
+    ep_state, ep_params = _runner_state(model), _full_params(model)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, {k: v.tolist() for k, v in ep_state.items()})
+    fp8_scenarios.reset_te_global_state()
+
+    acc1, model1, opt1 = _prepared_ep(family, fsdp, None, seed=99)
+    acc1.load_state(os.path.join(out_dir, "ep2"))
+    one_state, one_params = _runner_state(model1), _full_params(model1)
+    # without EP a runner holds all 4 experts: EP rank 0's 2 experts' columns, then EP rank 1's (ranks 0 and 1)
+    want = {k: torch.cat([torch.tensor(gathered[0][k]), torch.tensor(gathered[1][k])], dim=-1) for k in ep_state}
+    facts = {"no_ep_fp8_unequal": sorted(k for k in want if not torch.equal(want[k], one_state[k])),
+             "no_ep_params_unequal": sorted(n for n in ep_params if not torch.equal(ep_params[n], one_params[n])),
+             "no_ep_experts_parallel": any(getattr(m, "_is_expert_parallel", False) for m in model1.modules()),
+             "no_ep_runner_shape": list(one_state["0.te_gate_up.fwd.amax_history"].shape)}
+    acc1.save_state(os.path.join(out_dir, "ep1"))
+    fp8_scenarios.reset_te_global_state()
+
+    acc2, model2, opt2 = _prepared_ep(family, fsdp, 2, seed=7)
+    acc2.load_state(os.path.join(out_dir, "ep1"))
+    back, back_params = _runner_state(model2), _full_params(model2)
+    facts["back_fp8_unequal"] = sorted(k for k in ep_state if not torch.equal(ep_state[k], back[k]))
+    facts["back_params_unequal"] = sorted(n for n in ep_params if not torch.equal(ep_params[n], back_params[n]))
+    facts["ep_runner_shape"] = list(ep_state["0.te_gate_up.fwd.amax_history"].shape)
+    fp8_scenarios.reset_te_global_state()
+    return facts
