@@ -44,7 +44,11 @@ fsdp_config:
   fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
   fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
 """
-LAYOUTS = {"fsdp2": (FSDP2_CONFIG, 1), "fsdp2_tp_loaded": (ND_CONFIG, 2)}  # config, per-device batch
+# a Qwen3-MoE loaded with transformers' expert parallelism (DistributedConfig(fsdp_size=4, ep_size=2)), FSDP2 over
+# the 4 ranks from the config (issue 30 item 1)
+EP_CONFIG = FSDP2_CONFIG.replace("LlamaDecoderLayer", "Qwen3MoeDecoderLayer")
+LAYOUTS = {"fsdp2": (FSDP2_CONFIG, 1), "fsdp2_tp_loaded": (ND_CONFIG, 2), "fsdp2_ep_loaded": (EP_CONFIG, 1)}
+FAMILY = {"fsdp2_ep_loaded": "qwen3_moe"}  # else llama
 _LAUNCH_KEYS = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
 
 
@@ -71,7 +75,7 @@ def dataset():
     return [{"input_ids": data["input_ids"][i], "labels": data["labels"][i]} for i in range(zoo_scenarios.GLOBAL_BATCH)]
 
 
-def reference(steps: int = STEPS):
+def reference(steps: int = STEPS, family: str = "llama"):
     """One process, full batch, the model converted to TE (lm_head kept, as on the ranks), SGD with the clip the
     Trainer applies: (losses, grad norms before clipping)."""
     import transformer_engine.pytorch as te
@@ -79,7 +83,8 @@ def reference(steps: int = STEPS):
     from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    model = zoo_scenarios.build("llama")
+    model = zoo_scenarios.build(family)
+    model.config._experts_implementation = "eager"
     recipe = zoo_scenarios._recipe()
     convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(recipe))
     for module in model.modules():
@@ -100,7 +105,7 @@ def _arguments(per_device: int, use_cpu: bool = False):
 
 def sc_trainer(rank, world_size, layout):
     scenarios.ensure_rehearsal(True)
-    ref_losses, ref_norms = reference()
+    ref_losses, ref_norms = reference(family=FAMILY.get(layout, "llama"))
     config, per_device = LAYOUTS[layout]
     os.environ.update(launch_env(config))
     args = _arguments(per_device)
@@ -114,9 +119,12 @@ def _train(args, layout, per_device, ref_losses, ref_norms):
     from transformers import Trainer
 
     args.device  # noqa: B018  (TrainingArguments creates the PartialState, as in a script: before the model is loaded)
-    model = zoo_scenarios.build("llama")
+    model = zoo_scenarios.build(FAMILY.get(layout, "llama"))
     if layout == "fsdp2_tp_loaded":
         model = scenarios.load_sharded_by_transformers(model, tp_size=2, fsdp_size=2).train()
+    elif layout == "fsdp2_ep_loaded":
+        model.config._experts_implementation = "eager"
+        model = scenarios.load_sharded_by_transformers(model, tp_size=1, fsdp_size=4, ep_size=2).train()
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
     scenarios.te_reset()
     trainer.train()
@@ -129,6 +137,7 @@ def _train(args, layout, per_device, ref_losses, ref_norms):
         "distributed_type": acc.distributed_type.name, "mixed_precision": acc.mixed_precision,
         "mesh": (tuple(mesh.mesh_dim_names), tuple(mesh.shape)) if mesh is not None else None,
         "converted": sorted(setup.conversion.converted) if setup else [],
+        "experts": sorted(setup.conversion.experts) if setup else [],
         "skipped": sorted(dict(setup.conversion.skipped)) if setup else [],
         "fp8_enabled": bool(setup and setup.fp8_enabled),
         "prepared_is_trained": bool(setup) and setup.model is trainer.model_wrapped,
@@ -164,7 +173,8 @@ def sc_trainer_use_cpu(rank, world_size):
             "warnings": [str(w.message) for w in caught if "accel_fp8_fix" in str(w.message)]}
 
 
-PLAN = [("sc_trainer", {"layout": "fsdp2"}), ("sc_trainer", {"layout": "fsdp2_tp_loaded"}), ("sc_trainer_use_cpu", {})]
+PLAN = [("sc_trainer", {"layout": "fsdp2"}), ("sc_trainer", {"layout": "fsdp2_tp_loaded"}), ("sc_trainer_use_cpu", {}),
+        ("sc_trainer", {"layout": "fsdp2_ep_loaded"})]
 
 
 # The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
