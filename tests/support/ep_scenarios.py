@@ -70,26 +70,16 @@ def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=ST
     to those experts (the other EP rank runs none)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from accel_fp8_fix.fixes.fp8_state import AMAX_GROUP_ATTR
 
     warnings.simplefilter("ignore")
     scenarios.ensure_rehearsal(True)
     ref = reference(family, fp8, steps, skew)
-    acc = scenarios.make_accelerator(
-        fsdp=True, dp_shard=fsdp, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
-        wrap_cls=[moe_scenarios.DECODER_LAYER[family]],
-        mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
-    model = zoo_scenarios.build(family)
-    model.config._experts_implementation = "eager"
-    model = scenarios.load_sharded_by_transformers(model, tp_size=1, fsdp_size=fsdp, ep_size=ep)
-    model.train()
+    acc, model, opt = _prepared_ep(family, fsdp, ep)
     experts = model.model.layers[0].mlp.experts
     ep_rank = experts.gate_up_proj.device_mesh["ep"].get_local_rank()
     local = experts.num_experts
-    opt = torch.optim.SGD(model.parameters(), lr=moe_scenarios.LR)
-    model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
     dp_rank, dp_size = zoo_scenarios._data_rank(acc, "fsdp2")
     per = zoo_scenarios.GLOBAL_BATCH // dp_size
