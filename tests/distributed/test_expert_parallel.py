@@ -117,3 +117,25 @@ def test_a_checkpoint_loads_across_ep_sizes_and_back_bit_for_bit(launched):
         assert (f["ep_runner_shape"], f["no_ep_runner_shape"]) == ([16, 6], [16, 12])  # 3 forward tensors / GEMM
         assert f["no_ep_fp8_unequal"] == [] and f["no_ep_params_unequal"] == []
         assert f["back_fp8_unequal"] == [] and f["back_params_unequal"] == []
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return scenarios.launch(ep_scenarios, TWO_RANK_PLAN, 2)
+
+
+TWO_RANK_PLAN = [("sc_ep", {"fsdp": 2, "ep": 2})]
+
+
+def test_two_ranks_each_holding_whole_experts(two_ranks):
+    """fsdp 2 x ep 2 on 2 ranks: efsdp is 1, every expert lives whole on one rank — its FP8 state is reduced over
+    no other rank (a one-rank group: TE skips the reduction), still bit for bit the reference's for its experts,
+    and the run trains like one process."""
+    for rank, f in enumerate(scenarios.facts_of(two_ranks, scenarios.key_of(TWO_RANK_PLAN, "sc_ep"))):
+        assert f["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+        assert f["expert_group"] == [rank] and f["ep_rank"] == rank
+        assert set(map(str, f["stats"]["amax_reduction_groups"])) == {"WORLD"}
+        assert all(f["amax_step0_equal_reference"].values()) and not any(f["amax_step0_equal_other_experts"].values())
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4)
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=3e-2)
