@@ -19,6 +19,10 @@ last step (after warm-up):
 Run: ``python benchmarks/fp8_all_gather.py [--dim 256 --depth 4 --worlds 2,4 --steps 3]`` (~2 min on 2 cores);
 ``--recipe block --dim 512``: Float8BlockScaling (128x128 tile scales ride in the gather; the head is ``dim`` wide so
 every shard is whole tiles on 4 ranks).
+
+``--moe``: packed MoE experts (fixes/fp8_experts_gather.py), scenario ``sc_moe``: a Qwen3-MoE with a real model's
+proportions (32 experts, top-8, experts ~85 % of the parameters; ``--family qwen3_moe_proportioned_6``: 6
+experts), all-gathered bytes per step on vs off and their ratio, per FSDP2 ``param_dtype`` policy, and the losses.
 """
 
 from __future__ import annotations
@@ -58,9 +62,13 @@ def main(argv=None):
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--recipe", choices=("delayed", "current", "block"), default="delayed")
+    parser.add_argument("--moe", action="store_true", help="packed MoE experts (sc_moe) instead of a Linear stack")
+    parser.add_argument("--family", default="qwen3_moe_proportioned")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     fp8_all_gather_scenarios, scenarios = _scenarios()
+    if args.moe:
+        return _moe(args, fp8_all_gather_scenarios, scenarios)
     print(f"recipe: {args.recipe}")
     print("| ranks | FSDP2 param_dtype | all_gather | bytes gathered / param / step | bytes / param / gather | "
           "weight-amax all-reduces / step | all_reduce calls / step | peak unsharded weights in forward (KiB) | "
@@ -85,6 +93,33 @@ def main(argv=None):
                 gathered_params = facts[0]["per_step"][-1]["all_gathered_numel"]
             mode = "fp8" if kwargs["all_gather"] == "fp8" else "high precision"
             print(_row(world, kwargs["policy"], mode, facts[0], gathered_params))
+    return 0
+
+
+def _moe(args, fp8_all_gather_scenarios, scenarios):
+    recipe = "current" if args.recipe == "block" else args.recipe
+    print(f"model: {args.family}; recipe: {recipe}")
+    print("| ranks | FSDP2 param_dtype | all_gather | bytes gathered / step (all ranks) | on / off | experts' share of "
+          "parameters | experts gathered in FP8 | weight-amax all-reduces / step | losses |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world in (int(w) for w in args.worlds.split(",")):
+        plan = [("sc_moe", {"all_gather": mode, "policy": policy, "family": args.family, "recipe": recipe,
+                            "steps": args.steps, "reference": False})
+                for policy in ("bf16", "fp32") for mode in ("high_precision", "fp8")]
+        print(f"running {world} ranks ...", file=sys.stderr, flush=True)
+        results = scenarios.launch(fp8_all_gather_scenarios, plan, world, timeout=900.0)
+        off = None
+        for key, (name, kwargs) in zip(scenarios.result_keys(plan), plan):
+            f = results[0][key]
+            if "scenario_error" in f:
+                raise SystemExit(f"{f['scenario_error']}\n" + "\n".join(f["traceback"]))
+            last = f["per_step"][-1]
+            if kwargs["all_gather"] != "fp8":
+                off = last["all_gathered_bytes"]
+            ratio = last["all_gathered_bytes"] / off
+            print(f"| {world} | {kwargs['policy']} | {kwargs['all_gather']} | {last['all_gathered_bytes']:,} | "
+                  f"{ratio:.3f} | {f['expert_share']:.1%} | {len(f['gathered_experts'])} | "
+                  f"{f['amax_reductions'] // len(f['losses'])} | {', '.join(f'{x:.4f}' for x in f['losses'])} |")
     return 0
 
 

@@ -30,7 +30,8 @@ table there too. ``--tiny`` runs a small model on CPU over TE's real Python with
 ``--model qwen3_moe``: the same configurations on a Qwen3-MoE-shaped model (transformers' ``Qwen3MoeForCausalLM``:
 8 layers, hidden 2048, 16 heads / 4 KV heads, 64 experts of MLP 768 with top-8 routing: 2.6 B parameters, 0.45 B
 active a token), the experts' GEMMs through TE's grouped GEMM (fixes/moe_experts.py); TFLOP/s counts the active
-parameters, and the GEMM column counts grouped GEMM calls as one each.
+parameters, and the GEMM column counts grouped GEMM calls as one each; its ``-ag8`` rows gather the experts in FP8
+too (a scale per expert, fixes/fp8_experts_gather.py; not under block scaling).
 
 Run (one GPU, real TE): ``python benchmarks/gpu_throughput.py [--table out.md] [--budget 240] [--model qwen3_moe]``.
 """

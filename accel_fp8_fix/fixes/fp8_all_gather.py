@@ -38,6 +38,7 @@ import torch
 from .._log import say
 from ..internals import torch_fsdp2
 from ..internals import transformer_engine as te_internals
+from . import fp8_experts_gather
 from .fp8_all_gather_policy import Fp8AllGatherError, refusal, requested  # noqa: F401 (re-exported)
 from .fp8_weight_record import FLT_MAX, WeightRecord, WeightScales, scale_params, scales_from_amaxes  # noqa: F401
 from .fp8_weight_record import ScaleParams as _ScaleParams  # noqa: F401 (the name the unit tests use)
@@ -167,6 +168,8 @@ class Fp8AllGatherSetup:
     record: WeightRecord  # every weight gathered in FP8: its FSDP2 parameter and its shard's stamp
     scales: WeightScales | None  # per_tensor: the packed amax all-reduce; block: None (tile scales are local)
     weights: list = field(default_factory=list)  # qualified names of the weights gathered in FP8
+    experts: list = field(default_factory=list)  # ... of them, the packed-experts weights (a scale per expert)
+    kept: dict = field(default_factory=dict)  # experts weights left in the policy's dtype: name -> why
     hook: object = field(default=None, repr=False)  # the root forward pre-hook's handle
 
     @property
@@ -236,9 +239,16 @@ def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
         raise Fp8AllGatherError("accel_fp8_fix: the FP8 all-gather cannot run on " + "; ".join(problems) + (
             ". Shard over fewer ranks, or remove the setting (ACCELERATE_FP8_ALL_GATHER / fp8_config all_gather)"
             if kind == "block" else ""))
+    experts, kept = [], {}
+    for name, module, fsdp_param in fp8_experts_gather.chosen_experts(model):
+        why = fp8_experts_gather.why_kept(module, fsdp_param, kind)
+        if why is None:
+            experts.append((name, fsdp_param))
+        else:
+            kept[name] = why
     record = WeightRecord()
     scales = WeightScales(record, group, scale_params(recipe)) if kind == "per_tensor" else None
-    setup = Fp8AllGatherSetup(kind, record, scales)
+    setup = Fp8AllGatherSetup(kind, record, scales, kept=kept)
     for name, fsdp_param in chosen:
         setup.weights.append(name)
         record_index = record.add(name, fsdp_param, kind)
@@ -250,9 +260,22 @@ def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
         else:
             state = _PerTensorGather(scales, scales.add(record_index), record_index, padded, name)
         torch_fsdp2.install_extension(fsdp_param, functools.partial(_alias, state=state))
+    for name, fsdp_param in experts:  # a scale per expert, in the same packed all-reduce
+        setup.weights.append(name)
+        setup.experts.append(name)
+        record_index = record.add(name, fsdp_param, "per_expert")
+        padded = torch_fsdp2.padded_shard_size(fsdp_param)
+        count = torch_fsdp2.sharded_param(fsdp_param).shape[0]
+        state = fp8_experts_gather.ExpertsPerTensorGather(scales, scales.add(record_index, experts=count),
+                                                          record_index, padded, name)
+        torch_fsdp2.install_extension(fsdp_param, functools.partial(_alias, state=state))
     # before FSDP2's own root pre-forward hook (registered with prepend=True at fully_shard): before any unshard
     setup.hook = model.register_forward_pre_hook(functools.partial(_before_forward, setup), prepend=True)
     how = ("128x128 tile scales computed on each shard, no amax exchange" if kind == "block"
            else "scales from one packed amax all-reduce per weight update, before the step's first unshard")
-    say(logger, logging.INFO, f"accel_fp8_fix: FP8 all-gather on {len(setup.weights)} weight(s); {how}")
+    say(logger, logging.INFO, f"accel_fp8_fix: FP8 all-gather on {len(setup.weights)} weight(s) "
+                              f"({len(setup.experts)} packed-experts, a scale per expert); {how}")
+    if kept:
+        say(logger, logging.WARNING, "accel_fp8_fix: FP8 all-gather leaves these experts weights in the policy's "
+                                     "dtype: " + "; ".join(f"{n}: {why}" for n, why in kept.items()))
     return setup

@@ -84,7 +84,7 @@ def scales_from_amaxes(amax: torch.Tensor, params: ScaleParams) -> torch.Tensor:
 class RecordedWeight:
     name: str  # qualified name of the parameter, e.g. "model.layers.0.self_attn.q_proj.weight"
     fsdp_param: object
-    kind: str  # "per_tensor" or "block"
+    kind: str  # "per_tensor", "per_expert" (packed experts: a scale per expert) or "block"
     stamp: tuple | None = None  # the shard's stamp when the FP8 decisions were last made (None: never / invalidated)
 
 
@@ -131,38 +131,64 @@ class WeightRecord:
         for weight in self.weights:
             weight.stamp = None
 
+    def first_row(self, i: int) -> int:
+        """The row of the whole parameter where this rank's shard starts (FSDP2 shards dim 0 in equal chunks, the
+        last ones short or empty)."""
+        fsdp_param = self.weights[i].fsdp_param
+        return torch_fsdp2.shard_rank(fsdp_param) * torch_fsdp2.padded_shard_size(fsdp_param)[0]
+
     def shards(self, indices) -> list:
         return [torch_fsdp2.sharded_local_tensor(self.weights[i].fsdp_param) for i in indices]
 
 
 class WeightScales:
-    """The per-tensor scale of every whole ``per_tensor`` weight of ``record``, from ONE packed amax all-reduce per
-    change (:meth:`refresh`), kept in buffers allocated once — the quantizers and the all-gather metadata read
-    views of them, so no hook allocates a scale or issues a collective."""
+    """The per-tensor scales of every whole ``per_tensor`` weight of ``record`` — one scale per weight, or one per
+    expert of a packed-experts weight ``[E, out, in]`` (FSDP2 shards dim 0: each shard holds whole experts) — from
+    ONE packed amax all-reduce per change (:meth:`refresh`), kept in buffers allocated once: the quantizers and the
+    all-gather metadata read views of them, so no hook allocates a scale or issues a collective."""
 
     def __init__(self, record: WeightRecord, group, params):
         self.record, self.group, self.params = record, group, params
         self.indices: list[int] = []  # this object's weights, in record order
-        self.scale = self.scale_inv = None  # fp32 [len(indices)], allocated at the first refresh
-        self.weight_quantizers: list = []  # per weight: TE's Float8Quantizer on a view of ``scale``
+        self.slots: list[tuple[int, int]] = []  # per weight: (first slot, slots): 1, or E for experts
+        self.scale = self.scale_inv = None  # fp32 [slots in all], allocated at the first refresh
+        self.weight_quantizers: list = []  # per slot: TE's Float8Quantizer on a view of ``scale``
         self.scale_inv_views: list = []  # per weight: the metadata each gather passes (a view of ``scale_inv``)
         self.reductions = 0  # packed amax all-reduces so far
 
-    def add(self, record_index: int) -> int:
+    def add(self, record_index: int, experts: int = 0) -> int:
+        """Add a weight (``experts``: its count of per-expert scales; 0: one scale); its index here."""
+        first = sum(n for _, n in self.slots)
         self.indices.append(record_index)
+        self.slots.append((first, experts or 1))
         self.scale = None
         return len(self.indices) - 1
+
+    def quantizers_of(self, j: int) -> list:
+        first, count = self.slots[j]
+        return self.weight_quantizers[first:first + count]
 
     def _allocate(self, device) -> None:
         """Normal tensors even when the first forward runs under ``torch.inference_mode()`` (an evaluation before
         training): an inference tensor could not be written in place by a later training step's refresh."""
-        n = len(self.indices)
+        n = sum(count for _, count in self.slots)
         with torch.inference_mode(False):
             self.scale = torch.ones(n, dtype=torch.float32, device=device)
             self.scale_inv = torch.ones(n, dtype=torch.float32, device=device)
-            self.weight_quantizers = [te_internals.float8_quantizer(self.scale[j:j + 1], self.params.fp8_dtype)
-                               for j in range(n)]
-            self.scale_inv_views = [self.scale_inv[j:j + 1] for j in range(n)]
+            self.weight_quantizers = [te_internals.float8_quantizer(self.scale[k:k + 1], self.params.fp8_dtype)
+                                      for k in range(n)]
+            self.scale_inv_views = [self.scale_inv[first:first + count] for first, count in self.slots]
+
+    def _local_amaxes(self, j: int, shard, device) -> torch.Tensor:
+        """This rank's amax of weight ``j``: of the whole shard, or per expert (0 for experts other ranks hold)."""
+        first, count = self.slots[j]
+        if self.record.weights[self.indices[j]].kind != "per_expert":
+            return shard.detach().abs().amax().float().reshape(1) if shard.numel() else torch.zeros(1, device=device)
+        amax = torch.zeros(count, dtype=torch.float32, device=device)
+        if shard.numel():
+            start = self.record.first_row(self.indices[j])
+            amax[start:start + shard.shape[0]] = shard.detach().abs().amax(dim=tuple(range(1, shard.dim()))).float()
+        return amax
 
     def refresh(self) -> bool:
         """When any weight's shard changed: one packed MAX all-reduce of the shards' amaxes on the amax group, the
@@ -174,8 +200,7 @@ class WeightScales:
         if self.scale is None or self.scale.device != device:
             self._allocate(device)
         with torch.no_grad():
-            amax = torch.stack([t.detach().abs().amax().float() if t.numel() else torch.zeros((), device=device)
-                                for t in shards])
+            amax = torch.cat([self._local_amaxes(j, t, device) for j, t in enumerate(shards)])
             if self.group is not None:
                 collectives.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.group, name=AMAX_NAME)
             scale = scales_from_amaxes(amax, self.params)

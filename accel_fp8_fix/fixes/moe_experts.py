@@ -290,13 +290,23 @@ def _routing(top_k_index, num_experts: int, align: int | None, expert_parallel: 
     return token, slot, padded.cpu(), dest, int(padded.sum())
 
 
-def _grouped(runner, weight, bias, x, splits, dest, total):
-    """One grouped GEMM of ``x`` (rows sorted by expert) with the experts' ``weight [E, out, in]`` (and
-    ``bias [E, out]``)."""
+def _expert_weights(weight, transposed: bool):
+    """The experts' weights as TE takes them, one ``[out, in]`` tensor per expert: views of ``[E, out, in]``;
+    ``[E, in, out]`` transposed contiguous (TE reads storage, not strides); under the FP8 all-gather
+    (fixes/fp8_experts_gather.py) one ``Float8Tensor`` per expert built from the gathered bytes."""
+    from_gathered = getattr(weight, "expert_weights", None)
+    if from_gathered is not None:
+        return from_gathered(transposed)
+    return (weight.transpose(1, 2).contiguous() if transposed else weight).unbind(0)
+
+
+def _grouped(runner, weights, bias, x, splits, dest, total):
+    """One grouped GEMM of ``x`` (rows sorted by expert) with the experts' ``weights`` (``[out, in]`` each) and
+    ``bias [E, out]``."""
     if dest is not None:
         x = x.new_zeros(total, x.shape[-1]).index_copy(0, dest, x)
     biases = bias.unbind(0) if bias is not None else None
-    y = te_internals.grouped_linear_on_views(runner, weight.unbind(0), x, splits, biases)
+    y = te_internals.grouped_linear_on_views(runner, weights, x, splits, biases)
     return y.index_select(0, dest) if dest is not None else y
 
 
@@ -309,8 +319,7 @@ def te_experts_forward(self, hidden_states, top_k_index, top_k_weights):
             f"accel_fp8_fix: {type(self).__name__} reached its FP8 forward with DTensor parameters "
             f"({getattr(gate_up, 'placements', None)}): FSDP2 did not unshard them, or transformers' TP style did "
             "not hand in local shards")
-    if _transposed(self):  # [E, in, out] -> TE's [E, out, in], contiguous (TE reads storage, not strides)
-        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    gate_up, down = _expert_weights(gate_up, _transposed(self)), _expert_weights(down, _transposed(self))
     gate_up_bias, down_bias = _biases(self) or (None, None)
     with torch.no_grad():
         token, slot, splits, dest, total = _routing(top_k_index, self.num_experts, _fp8_row_multiple(),

@@ -137,6 +137,11 @@ def shard_world_size(fsdp_param) -> int:
     return fsdp_param.mesh_info.shard_mesh_size
 
 
+def shard_rank(fsdp_param) -> int:
+    """This rank's index among the ranks FSDP2 shards this parameter over."""
+    return fsdp_param.mesh_info.shard_mesh_rank
+
+
 def sharded_param(fsdp_param):
     """The sharded DTensor parameter (what the optimizer steps)."""
     return fsdp_param.sharded_param

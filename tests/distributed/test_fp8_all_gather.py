@@ -321,6 +321,15 @@ def test_bad_input_is_one_named_error_at_prepare(run2, dirs, case, needle):
 LLM_WEIGHTS = 14  # 2 layers x (q, k, v, o, gate, up, down); lm_head stays high precision (the output layer)
 PLAN_LLM_2 = [("sc_llm", {"family": "llama"}), ("sc_llm", {"family": "llama", "all_gather": "high_precision"}),
               ("sc_llm", {"family": "qwen3"})]
+# packed MoE experts gathered in FP8 (issue 30 item 2), in the same launches: a Qwen3-MoE with a real model's
+# proportions (32 experts, top-8: experts ~85 % of the parameters) and GPT-OSS's [E, in, out] biased experts
+MOE_ON = ("sc_moe", {"recipe": "current"})
+MOE_BYTES = [("sc_moe", {"policy": "bf16", "all_gather": mode, "steps": 1, "reference": False})
+             for mode in ("fp8", "high_precision")]
+MOE_GPT_OSS = ("sc_moe", {"family": "gpt_oss", "recipe": "current", "steps": 2})
+PLAN_LLM_2 += [MOE_ON, *MOE_BYTES, MOE_GPT_OSS]
+MOE_4 = [("sc_moe", {"recipe": "current", "dp_replicate": 2, "dp_shard": 2, "steps": 2}),  # HSDP 2 x 2
+         ("sc_moe", {"family": "qwen3_moe_proportioned_6", "recipe": "current", "steps": 2})]  # 6 experts: 2, 2, 2, 0
 
 
 @pytest.fixture(scope="module")
@@ -335,20 +344,34 @@ def _plan_llm_4(ckpt):
             ("sc_llm", {"family": "llama", "dp_shard": 4, "grad_ckpt": True}),
             ("sc_llm", {"family": "llama", "dp_shard": 2, "tp": 2, "loaded": True}),
             ("sc_llm", {"family": "qwen3", "dp_shard": 4, "ram_efficient": True}),
-            ("sc_llm", {"family": "llama", "dp_shard": 4, "recipe": "current", "accelerate_ac": True})]
+            ("sc_llm", {"family": "llama", "dp_shard": 4, "recipe": "current", "accelerate_ac": True})] + MOE_4
 
 
 @pytest.fixture(scope="module")
 def llm2():
     results = scenarios.launch(fp8_all_gather_scenarios, PLAN_LLM_2, 2)
-    return [scenarios.facts_of(results, scenarios.key_of(PLAN_LLM_2, n, kw)) for n, kw in PLAN_LLM_2]
+    return [scenarios.facts_of(results, scenarios.key_of(PLAN_LLM_2, n, kw)) for n, kw in PLAN_LLM_2][:3]
+
+
+@pytest.fixture(scope="module")
+def moe2():
+    results = scenarios.launch(fp8_all_gather_scenarios, PLAN_LLM_2, 2)  # the same launch as llm2 (memoised)
+    return {(n, tuple(sorted(kw.items()))): scenarios.facts_of(results, scenarios.key_of(PLAN_LLM_2, n, kw))
+            for n, kw in PLAN_LLM_2 if n == "sc_moe"}
 
 
 @pytest.fixture(scope="module")
 def llm4(llm_dirs):
     plan = _plan_llm_4(llm_dirs)
     results = scenarios.launch(fp8_all_gather_scenarios, plan, 4)
-    return [scenarios.facts_of(results, scenarios.key_of(plan, n, kw)) for n, kw in plan]
+    return [scenarios.facts_of(results, scenarios.key_of(plan, n, kw)) for n, kw in plan if n == "sc_llm"]
+
+
+@pytest.fixture(scope="module")
+def moe4(llm_dirs):
+    plan = _plan_llm_4(llm_dirs)
+    results = scenarios.launch(fp8_all_gather_scenarios, plan, 4)  # the same launch as llm4 (memoised)
+    return [scenarios.facts_of(results, scenarios.key_of(plan, n, kw)) for n, kw in MOE_4]
 
 
 def _check_llm(facts, gathered=True):
@@ -499,3 +522,63 @@ def test_one_rank_a_forward_that_bypasses_the_prepared_model_after_a_change_is_r
     assert f["error_type"] == "Fp8AllGatherError" and f["reductions"] == 1
     assert "blocks.0.fc1.weight" in f["error"] and "its shard changed since the weight scales were computed" in f["error"]
     assert "weights_changed()" in f["error"]
+
+
+# packed MoE experts gathered in FP8 (fixes/fp8_experts_gather.py) ------------------------------------------------
+EXPERT_WEIGHTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
+
+
+def _moe(moe2, spec):
+    name, kw = spec
+    return moe2[(name, tuple(sorted(kw.items())))]
+
+
+def _check_moe_gathered(facts, steps):
+    for f in facts:
+        assert f["gathered_experts"] == EXPERT_WEIGHTS and f["kept"] == {}
+        assert set(EXPERT_WEIGHTS) <= set(f["gathered_weights"])
+        assert f["expert_weight_types"] == ["Fp8Experts"]  # the experts' forward received the gathered bytes
+        # each expert quantized with its own scale: bytes and E scales equal TE's quantizer on each whole master
+        # expert at TE's compute_scale_from_amax of that expert's amax, every step
+        assert f["bits"] == {"compared": sorted(EXPERT_WEIGHTS), "steps": steps, "mismatched": []}
+        assert f["amax_reductions"] == steps  # the experts' amaxes ride in the one packed all-reduce a step
+        assert f["per_step"][-1]["all_gather_dtypes"] == ["torch.float32", "torch.uint8"]
+        # masters, checkpoints and the optimizer never see FP8
+        assert f["local_tensor_types"] == ["Tensor"] and f["state_dict_types"] == ["Tensor"]
+        assert f["param_dtypes"] == ["torch.float32"] and f["eval_output_finite"]
+
+
+def _check_moe_reference(facts):
+    """Against one process with the same FP8 weights (each converted weight quantized per step as the switch does:
+    per tensor, per expert): current scaling differs only by each rank's own activation amax."""
+    for f in facts:
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-3)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=1e-2)
+
+
+def test_moe_experts_are_gathered_in_fp8_with_a_scale_per_expert(moe2, moe4):
+    on = _moe(moe2, MOE_ON)
+    _check_moe_gathered(on, 3)
+    _check_moe_reference(on)
+    for facts in moe4:  # HSDP 2 x 2; 6 experts over 4 shard ranks (2, 2, 2 and none)
+        _check_moe_gathered(facts, 2)
+        _check_moe_reference(facts)
+
+
+def test_gpt_oss_transposed_biased_experts_are_gathered_in_fp8(moe2):
+    facts = _moe(moe2, MOE_GPT_OSS)
+    _check_moe_gathered(facts, 2)
+    _check_moe_reference(facts)
+
+
+def test_moe_all_gather_moves_about_half_the_bytes_under_a_bf16_policy(moe2):
+    """The issue's bound: all-gathered bytes per step with the switch on / off <= 0.55 under a bf16 param_dtype on
+    a MoE model whose experts hold most of the parameters (here ~85 %)."""
+    on, off = (_moe(moe2, spec) for spec in MOE_BYTES)
+    for f_on, f_off in zip(on, off):
+        assert f_on["expert_share"] > 0.8
+        assert f_off["expert_weight_types"] == ["Parameter"] and f_off["per_step"][0]["all_gather_dtypes"] == [
+            "torch.bfloat16"]
+        ratio = f_on["per_step"][0]["all_gathered_bytes"] / f_off["per_step"][0]["all_gathered_bytes"]
+        assert ratio <= 0.55, ratio
+        assert f_on["per_step"][0]["all_gather_dtypes"] == ["torch.bfloat16", "torch.uint8"]

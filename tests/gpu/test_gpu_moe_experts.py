@@ -19,7 +19,9 @@ def single_rank():
     yield from single_rank_process_group()
 
 
-def _train(mixed_precision: str, steps: int = 4):
+def _train(mixed_precision: str, steps: int = 4, all_gather: bool = False):
+    import os
+
     import transformers as tf
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, TERecipeKwargs
@@ -37,7 +39,11 @@ def _train(mixed_precision: str, steps: int = 4):
     acc = Accelerator(mixed_precision=mixed_precision, fsdp_plugin=plugin,
                       kwargs_handlers=handlers if mixed_precision == "fp8" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = acc.prepare(model, opt)
+    os.environ["ACCELERATE_FP8_ALL_GATHER"] = "fp8" if all_gather else "high_precision"
+    try:
+        model, opt = acc.prepare(model, opt)
+    finally:
+        os.environ.pop("ACCELERATE_FP8_ALL_GATHER", None)
     ids = torch.randint(0, 1024, (4, 100), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     losses = []
     with GemmSpy("te_general_grouped_gemm") as spy:
@@ -51,7 +57,9 @@ def _train(mixed_precision: str, steps: int = 4):
     setup = getattr(acc, "accel_fp8_fix", None)
     experts = list(setup.conversion.experts) if setup is not None and mixed_precision == "fp8" else []
     names = sorted(n for n, _ in model.named_parameters())
-    return {"losses": losses, "grouped": spy.calls, "grouped_fp8": spy.fp8, "experts": experts, "names": names}
+    gathered = list(setup.all_gather.experts) if setup is not None and setup.all_gather is not None else []
+    return {"losses": losses, "grouped": spy.calls, "grouped_fp8": spy.fp8, "experts": experts, "names": names,
+            "gathered_experts": gathered}
 
 
 def test_experts_train_in_fp8_on_te_grouped_gemms_like_the_bf16_run(single_rank):
@@ -64,6 +72,19 @@ def test_experts_train_in_fp8_on_te_grouped_gemms_like_the_bf16_run(single_rank)
     assert fp8["names"] == bf16["names"]  # the user's parameters, untouched
     assert all(torch.isfinite(torch.tensor(fp8["losses"])))
     assert fp8["losses"] == pytest.approx(bf16["losses"], rel=5e-2)
+
+
+def test_experts_gathered_in_fp8_train_like_the_switch_off_run_on_real_te(single_rank):
+    """``all_gather: fp8`` (fixes/fp8_experts_gather.py): each expert's weight reaches TE's CUDA grouped GEMM as a
+    Float8Tensor built from the gathered bytes and its own scale (TE's QuantizedTensor weight path, no second
+    quantization), dgrad's transposed copy derived by TE; losses as with the experts gathered in bf16."""
+    on = _train("fp8", all_gather=True)
+    off = _train("fp8")
+    assert on["gathered_experts"] == [f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                                      for w in ("gate_up_proj", "down_proj")]
+    assert on["grouped"] == 12 * 4 and on["grouped_fp8"] == on["grouped"]
+    assert all(torch.isfinite(torch.tensor(on["losses"])))
+    assert on["losses"] == pytest.approx(off["losses"], rel=2e-2)
 
 
 def test_gpt_oss_experts_transposed_with_biases_match_transformers_on_real_te():

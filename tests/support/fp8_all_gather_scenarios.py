@@ -558,3 +558,240 @@ def sc_bad_input(rank, world_size, case):
 
 # The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
 LAUNCH = {"env": scenarios.ENV_FIXED, "timeout": 300.0, "collective_timeout": 90.0}
+
+
+# -- packed MoE experts gathered in FP8 (fixes/fp8_experts_gather.py, issue 30 item 2) ------------------------------
+MOE_BATCH = 8  # sequences of zoo_scenarios.SEQ tokens, split over the data-parallel ranks
+
+
+def _moe_model(family):
+    from . import moe_scenarios, zoo_scenarios
+
+    if family.startswith("qwen3_moe_proportioned"):  # "..._6": 6 experts (uneven over 4 shard ranks: 2, 2, 2, 0)
+        model = moe_scenarios._proportioned_qwen3_moe(experts=int(family.rsplit("_", 1)[1]) if family[-1].isdigit() else 32)
+    else:
+        model = zoo_scenarios.build(family)
+    model.config._experts_implementation = "eager"
+    return model
+
+
+def _moe_batch():
+    import torch
+
+    from . import zoo_scenarios
+
+    ids = torch.randint(0, zoo_scenarios.VOCAB, (MOE_BATCH, zoo_scenarios.SEQ), generator=torch.Generator().manual_seed(5))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _fp8_weight_leaves(model, params):
+    """Each converted Linear's weight and each converted experts module's 3-D weights quantized from the master
+    weight as the FP8 all-gather does (per-tensor current scaling: of the whole weight; of each expert) and put in
+    the module as leaves; returns [(module, name, master, leaf)] — the FP8 all-gather without the all-gather."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+    from accel_fp8_fix.fixes.fp8_experts_gather import EXPERT_WEIGHTS, Fp8Experts
+    from accel_fp8_fix.fixes.moe_experts import is_converted
+    from accel_fp8_fix.internals import transformer_engine as te_internals
+
+    out = []
+    for module in model.modules():
+        if isinstance(module, te.Linear):
+            names = ("weight",)
+        elif is_converted(module):
+            names = EXPERT_WEIGHTS
+        else:
+            continue
+        for name in names:
+            master = module._parameters[name]
+            w = master.detach()
+            if name == "weight":
+                scale = fp8_all_gather_fix.scales_from_amaxes(w.abs().amax().float().reshape(1), params)
+                leaf = te_internals.float8_quantizer(scale.clone(), params.fp8_dtype)(w)
+            else:
+                scales = fp8_all_gather_fix.scales_from_amaxes(w.abs().amax(dim=(1, 2)).float(), params)
+                quantizers = [te_internals.float8_quantizer(scales[e:e + 1].clone(), params.fp8_dtype)
+                              for e in range(w.shape[0])]
+                data = torch.stack([te_internals.quantized_bits(q(w[e])) for e, q in enumerate(quantizers)])
+                leaf = Fp8Experts(data, torch.reciprocal(scales), quantizers, w.dtype)
+            leaf.requires_grad_(True)
+            module._parameters[name] = leaf
+            out.append((module, name, master, leaf))
+    return out
+
+
+def _moe_reference(family, recipe, steps, fp8_weights):
+    """One process, the whole batch: (losses, clipped grad norms), FP8 through TE; with ``fp8_weights`` every
+    converted weight quantized per step as the FP8 all-gather does (``_fp8_weight_leaves``)."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+
+    model = _moe_model(family)
+    convert_after_sharding(model, te)
+    for module in model.modules():
+        if hasattr(module, "fp8_meta"):
+            module._is_fsdp2 = True
+    te_recipe = _te_recipe(recipe)
+    params = fp8_all_gather_fix_scale_params(te_recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = _moe_batch()
+    losses, norms = [], []
+    for _ in range(steps):
+        leaves = _fp8_weight_leaves(model, params) if fp8_weights else []
+        with te_autocast(te)(True, te_recipe, None):
+            loss = model(**data).loss
+        loss.backward()
+        for module, name, master, leaf in leaves:
+            module._parameters[name] = master
+            master.grad = leaf.grad
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    _reset_te()
+    return losses, norms
+
+
+def fp8_all_gather_fix_scale_params(recipe):
+    from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+
+    return fp8_all_gather_fix.scale_params(recipe)
+
+
+def sc_moe(rank, world_size, all_gather="fp8", family="qwen3_moe_proportioned", policy="fp32", recipe="delayed",
+           steps=3, reference=True, dp_replicate=None, dp_shard=None):
+    """A packed-experts model under FSDP2 + FP8 with the switch ``all_gather``: losses and clipped grad norms per
+    step (and the one-process reference with the same FP8 weights), bytes FSDP2 all-gathered per step and their
+    dtypes, which weights were gathered in FP8 (experts among them) and what the experts' forward received."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from accel_fp8_fix.testing.spy import CollectiveSpy
+
+    from . import moe_scenarios
+
+    warnings.simplefilter("ignore")
+    scenarios.ensure_rehearsal(True)
+    os.environ[ALL_GATHER_ENV] = all_gather
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[policy]
+    ref = _moe_reference(family, recipe, steps, all_gather == "fp8") if reference else (None, None)
+    layer = moe_scenarios.DECODER_LAYER["qwen3_moe" if family.startswith("qwen3_moe") else family]
+    acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
+                                     wrap_cls=[layer], fp8_recipe=RECIPES[recipe],
+                                     mixed_precision_policy=MixedPrecisionPolicy(param_dtype=dtype,
+                                                                                 reduce_dtype=torch.float32))
+    model = _moe_model(family)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    data = {k: v.chunk(world_size)[rank] for k, v in _moe_batch().items()}
+    seen = []  # the classes of the experts' weights at their forward
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    handles = [m.register_forward_pre_hook(lambda mod, args: seen.append(type(mod.gate_up_proj).__name__))
+               for m in experts]
+    ag = acc.accel_fp8_fix.all_gather
+    probe = _ExpertBitsProbe(model, ag, acc.accel_fp8_fix.recipe) if ag is not None and ag.experts else None
+    losses, norms, per_step = [], [], []
+    for step in range(steps):
+        if probe is not None:
+            probe.expect()
+        with CollectiveSpy() as spy:
+            loss = model(**data).loss
+            acc.backward(loss)
+            norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+            opt.step()
+            opt.zero_grad()
+        gathers = [c for c in spy.calls(layer=None) if "gather" in c.op]
+        per_step.append({"all_gathered_bytes": sum(c.nbytes for c in gathers),
+                         "all_gather_dtypes": sorted({str(c.dtype) for c in gathers}),
+                         "all_reduces": [c.numel for c in spy.calls("all_reduce", top_level=True)]})
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(float(value) / world_size)
+    for h in handles:
+        h.remove()
+    numel = sum(p.numel() for p in model.parameters())
+    expert_numel = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+    _reset_te()
+    return {"losses": losses, "grad_norms": norms, "reference": ref[0], "reference_grad_norms": ref[1],
+            "per_step": per_step, "model_numel": numel, "expert_share": expert_numel / numel,
+            "gathered_weights": list(ag.weights) if ag is not None else [],
+            "gathered_experts": list(ag.experts) if ag is not None else [],
+            "kept": dict(ag.kept) if ag is not None else {},
+            "expert_weight_types": sorted(set(seen)), "experts": acc.accel_fp8_fix.conversion.experts,
+            "amax_reductions": ag.amax_reductions if ag is not None else 0,
+            "bits": probe.result() if probe is not None else None,
+            "local_tensor_types": sorted({type(p.to_local()).__name__ for n, p in model.named_parameters()
+                                          if n.endswith(("gate_up_proj", "down_proj"))}),
+            "state_dict_types": sorted({type(v.to_local() if hasattr(v, "to_local") else v).__name__
+                                        for k, v in model.state_dict().items() if not k.endswith("_extra_state")}),
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "eval_output_finite": _eval_finite(model, data)}
+
+
+def _eval_finite(model, data):
+    import torch
+
+    model.eval()  # TE autocast off: TE dequantizes each expert's Float8Tensor
+    with torch.no_grad():
+        finite = bool(torch.isfinite(model(**data).logits).all())
+    model.train()
+    return finite
+
+
+class _ExpertBitsProbe:
+    """Every step, at each experts module's first forward: the gathered FP8 experts weight (bytes and the E scales)
+    against TE's Float8Quantizer applied to each whole master expert (``full_tensor()``, taken before the step)
+    at TE's ``compute_scale_from_amax`` of that expert's amax — bit for bit."""
+
+    def __init__(self, model, ag, recipe):
+        from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+
+        self.params = fp8_all_gather_fix.scale_params(recipe)
+        self.names = list(ag.experts)
+        owners = {w.rsplit(".", 1)[0] for w in self.names}
+        self.modules = {n: m for n, m in model.named_modules() if n in owners}
+        self.expected, self.oks, self.steps = {}, {}, 0
+        self.handles = [m.register_forward_pre_hook(lambda mod, args, n=n: self._check(n, mod))
+                        for n, m in self.modules.items()]
+
+    def expect(self):
+        import torch
+
+        from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+        from accel_fp8_fix.internals import transformer_engine as te_internals
+
+        self.steps += 1
+        for n, m in self.modules.items():
+            for w in ("gate_up_proj", "down_proj"):
+                full = scenarios.full_tensor(getattr(m, w)).detach()
+                scales = fp8_all_gather_fix.scales_from_amaxes(full.abs().amax(dim=(1, 2)).float(), self.params)
+                data = torch.stack([te_internals.quantized_bits(
+                    te_internals.float8_quantizer(scales[e:e + 1].clone(), self.params.fp8_dtype)(full[e]))
+                    for e in range(full.shape[0])])
+                self.expected[(n, w)] = (data, torch.reciprocal(scales))
+
+    def _check(self, n, mod):
+        import torch
+
+        for w in ("gate_up_proj", "down_proj"):
+            want = self.expected.pop((n, w), None)
+            if want is None:
+                continue
+            got = getattr(mod, w)
+            ok = type(got).__name__ == "Fp8Experts" and torch.equal(got._data, want[0]) and torch.equal(
+                got._expert_scale_inv, want[1])
+            self.oks.setdefault(f"{n}.{w}", []).append(ok)
+
+    def result(self):
+        for h in self.handles:
+            h.remove()
+        return {"compared": sorted(self.oks), "steps": self.steps,
+                "mismatched": sorted(k for k, v in self.oks.items() if not all(v) or len(v) != self.steps)}

@@ -411,14 +411,15 @@ def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True
     return facts
 
 
-def _proportioned_qwen3_moe():
+def _proportioned_qwen3_moe(experts=32):
     """A Qwen3-MoE with a real model's proportions (Qwen3-30B-A3B: 128 experts, top-8, expert MLP 768 of hidden
-    2048; here 32 experts, top-8, expert MLP 32 of hidden 64, a 256-token vocabulary)."""
+    2048; here 32 experts, top-8, expert MLP 32 of hidden 64, a 256-token vocabulary); ``experts``: another count
+    (top-k at most 8)."""
     import torch
     import transformers as tf
 
     config = tf.Qwen3MoeConfig(vocab_size=zoo_scenarios.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=4, head_dim=16, num_experts=32, num_experts_per_tok=8,
+                               num_key_value_heads=4, head_dim=16, num_experts=experts, num_experts_per_tok=min(8, max(2, experts // 4)),
                                moe_intermediate_size=32, decoder_sparse_step=1, max_position_embeddings=64,
                                tie_word_embeddings=False, attn_implementation="eager")
     torch.manual_seed(0)

@@ -148,11 +148,11 @@ def test_doctor_launch_checks_the_switch(tmp_path):
     assert "FP8 all-gather" in bad.failed
 
 
-def _fake_fsdp_param(rows, cols, world, shard=None, param=None):
+def _fake_fsdp_param(rows, cols, world, shard=None, param=None, rank=0):
     from types import SimpleNamespace
 
     padded = -(-rows // world)
-    return SimpleNamespace(mesh_info=SimpleNamespace(shard_mesh_size=world),
+    return SimpleNamespace(mesh_info=SimpleNamespace(shard_mesh_size=world, shard_mesh_rank=rank),
                            padded_sharded_param_size=torch.Size([padded, cols]),
                            sharded_param=param if param is not None else torch.empty(rows, cols),
                            _sharded_local_tensor=shard if shard is not None else torch.empty(padded, cols))
@@ -224,3 +224,88 @@ def test_fsdp2_is_told_to_keep_the_all_gather_outputs():
     FP8 tensor built there is a view of them."""
     shard = torch.zeros(2, 2).as_subclass(fp8_all_gather_fix.Fp8AllGatherShard)
     assert shard.fsdp_should_release_all_gather_outputs_after_post_all_gather() is False
+
+
+def test_packed_experts_get_a_scale_per_expert_in_the_same_packed_reduction():
+    """A packed-experts weight [E, out, in] takes E slots of the packed amax vector: this rank's shard (whole
+    experts, FSDP2's dim-0 chunk at ``shard rank x padded rows``) fills its experts' slots, the others stay 0 for
+    the MAX all-reduce to fill from the ranks that hold them."""
+    from accel_fp8_fix.fixes.fp8_weight_record import WeightRecord, WeightScales
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    te_on_cpu.install()
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    linear = torch.randn(8, 16)
+    experts = torch.randn(6, 4, 8) * torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).reshape(6, 1, 1)
+    shard = experts[2:4]  # rank 1 of 3: experts 2 and 3
+    record = WeightRecord()
+    scales = WeightScales(record, None, fp8_all_gather_fix.scale_params(Float8CurrentScaling()))
+    scales.add(record.add("w", _fake_fsdp_param(8, 16, 1, shard=linear, param=linear), "per_tensor"))
+    j = scales.add(record.add("experts.gate_up_proj", _fake_fsdp_param(6, 4, 3, shard=shard, param=shard, rank=1),
+                              "per_expert"), experts=6)
+    assert scales.slots == [(0, 1), (1, 6)]
+    assert scales.refresh()
+    amax = torch.zeros(7)
+    amax[0] = linear.abs().amax()
+    amax[3:5] = shard.abs().amax(dim=(1, 2))
+    want = fp8_all_gather_fix.scales_from_amaxes(amax, scales.params)  # experts 0, 1, 4, 5: amax 0 -> scale 1
+    assert torch.equal(scales.scale, want)
+    assert len(scales.quantizers_of(j)) == 6 and scales.scale_inv_views[j].shape == (6,)
+    assert all(q.scale.data_ptr() == scales.scale[1 + e:2 + e].data_ptr() for e, q in enumerate(scales.quantizers_of(j)))
+
+
+def _fp8_experts(transposed=False):
+    from accel_fp8_fix.fixes.fp8_experts_gather import Fp8Experts
+    from accel_fp8_fix.internals import transformer_engine as te_internals
+    from accel_fp8_fix.rehearsal import te_on_cpu
+
+    te_on_cpu.install()
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    params = fp8_all_gather_fix.scale_params(Float8CurrentScaling())
+    master = torch.randn(3, 32, 16) * torch.tensor([1.0, 10.0, 0.01]).reshape(3, 1, 1)
+    scales = fp8_all_gather_fix.scales_from_amaxes(master.abs().amax(dim=(1, 2)), params)
+    quantizers = [te_internals.float8_quantizer(scales[e:e + 1].clone(), params.fp8_dtype) for e in range(3)]
+    data = torch.stack([te_internals.quantized_bits(q(master[e])) for e, q in enumerate(quantizers)])
+    return master, Fp8Experts(data, torch.reciprocal(scales), quantizers, torch.float32), quantizers
+
+
+def test_the_gathered_experts_weight_keeps_fsdp2s_handling_and_dequantizes_per_expert_otherwise():
+    master, experts, quantizers = _fp8_experts()
+    param = torch.nn.Parameter(torch.as_strided(experts, experts.shape, experts._data.stride(), 0))  # FSDP2's steps
+    assert type(param).__name__ == "Fp8Experts" and param.requires_grad and param._data is experts._data
+    want = torch.stack([quantizers[e](master[e]).dequantize() for e in range(3)])  # TE's, expert by expert
+    assert torch.equal(param.dequantize(), want)
+    assert torch.equal(param * 1, want)  # any other op: the dequantized weight, a plain tensor
+    assert type(param.sum(0)) is torch.Tensor
+    with pytest.raises(RuntimeError, match="read-only FSDP2 unsharded view"):
+        with torch.no_grad():
+            param.mul_(2)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_each_expert_reaches_te_as_a_float8_tensor_and_gradients_stack_back(transposed):
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+    master, experts, quantizers = _fp8_experts()
+    experts.requires_grad_(True)
+    weights = experts.expert_weights(transposed)
+    assert all(isinstance(w, Float8Tensor) for w in weights) and all(w.is_contiguous() for w in weights)
+    for e, w in enumerate(weights):
+        want = quantizers[e](master[e]).dequantize()
+        assert torch.equal(w.dequantize(), want.t() if transposed else want)
+    grads = [torch.full(w.shape, float(e + 1)) for e, w in enumerate(weights)]
+    torch.autograd.backward([w.dequantize() for w in weights[:2]], grads[:2])  # expert 2 unused: a zero gradient
+    want = torch.stack([g.t() if transposed else g for g in grads[:2]] + [torch.zeros(master.shape[1:])])
+    assert experts.grad.shape == master.shape and torch.equal(experts.grad, want)
+
+
+def test_experts_stay_in_the_policy_dtype_where_not_served_named():
+    from types import SimpleNamespace
+
+    from accel_fp8_fix.fixes.fp8_experts_gather import why_kept
+
+    module = SimpleNamespace(_is_expert_parallel=True)
+    assert "block scaling" in why_kept(module, None, "block")
+    assert "expert parallelism" in why_kept(module, None, "per_tensor")

@@ -1,0 +1,185 @@
+"""Packed MoE experts all-gathered in FP8 under FSDP2 (``all_gather: fp8``; the switch of fixes/fp8_all_gather.py).
+
+An experts module converted by fixes/moe_experts.py keeps transformers' 3-D parameters (``gate_up_proj``,
+``down_proj``: ``[E, out, in]``, GPT-OSS ``[E, in, out]``), which FSDP2 shards on dim 0 — each shard holds whole
+experts. With the switch on, each expert is quantized on its shard with its OWN per-tensor scale (the scale TE's
+``GroupedLinear`` gives each of its ``num_gemms`` weights: per-expert, never one scale for all experts), FSDP2
+gathers 1 byte a parameter, and the unsharded parameter is an :class:`Fp8Experts`: the gathered bytes plus the E
+scales. The experts' forward hands TE's grouped GEMM one ``Float8Tensor`` per expert (views of the gathered bytes;
+GPT-OSS's ``[in, out]`` bytes transposed contiguous — exact: one scale per expert), which TE uses as it is; each
+expert's weight gradient flows back, stacked, to the 3-D parameter FSDP2 reduce-scatters.
+
+Scales: the per-expert amaxes ride in the switch's ONE packed weight-amax all-reduce per weight update
+(fixes/fp8_weight_record.py ``WeightScales``, a slot per expert; a rank's experts it does not hold count 0), issued
+outside FSDP2's hooks, before the step's first unshard. Masters, optimizer state and checkpoints stay in the master
+dtype (the shard is the same alias class as a Linear's, pickling as a plain tensor).
+
+Served: the per-tensor recipes (delayed / current; under delayed the weights are current-scaled, as for Linears),
+experts sharded only by FSDP2 / HSDP. Kept in the policy's dtype, named in the log and ``setup.all_gather.kept``:
+experts under transformers' expert parallelism or TP-sharded (their parameters are DTensors FSDP2 re-wraps), and
+under Float8 block scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..internals import torch_fsdp2
+from ..internals import transformer_engine as te_internals
+from . import moe_experts
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _plain_args(value):
+    return value.dequantize() if isinstance(value, Fp8Experts) else value
+
+
+class Fp8Experts(torch.Tensor):
+    """The unsharded 3-D experts weight FSDP2 hands the module under the FP8 all-gather: uint8 bytes ``[E, a, b]``
+    and one fp32 ``scale_inv`` per expert, nominally the policy's dtype. FSDP2's own handling (``as_strided`` to its
+    shape, ``nn.Parameter``'s detach) keeps it; any other op sees the dequantized weight (TE's dequantization,
+    expert by expert) and an in-place op is refused — only the experts' forward reads the bytes
+    (:meth:`expert_weights`)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data, scale_inv, quantizers, dtype, requires_grad=False):
+        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=dtype, device=data.device,
+                                                   requires_grad=requires_grad)
+        self._data, self._expert_scale_inv, self._quantizers = data, scale_inv, quantizers
+        return self
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"Fp8Experts(shape={tuple(self.shape)}, dtype={self.dtype}, experts={self.shape[0]})"
+
+    def __tensor_flatten__(self):
+        return ["_data", "_expert_scale_inv"], (self._quantizers, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, context, outer_size, outer_stride):
+        quantizers, dtype = context
+        return Fp8Experts(inner["_data"], inner["_expert_scale_inv"], quantizers, dtype)
+
+    def _alias(self):
+        return Fp8Experts(self._data, self._expert_scale_inv, self._quantizers, self.dtype)
+
+    def expert(self, e: int, transposed: bool = False):
+        """Expert ``e`` as TE's ``Float8Tensor`` ``[out, in]`` (GPT-OSS's ``[in, out]`` bytes transposed)."""
+        data = self._data[e]
+        if transposed:
+            data = data.t().contiguous()
+        quantizer = self._quantizers[e]
+        return te_internals.make_float8(data, self._expert_scale_inv[e:e + 1], quantizer.dtype, self.dtype, quantizer)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.stack([self.expert(e).dequantize() for e in range(self.shape[0])]) if self.shape[0] else \
+            torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def expert_weights(self, transposed: bool = False) -> tuple:
+        """One ``Float8Tensor`` ``[out, in]`` per expert for TE's grouped GEMM; their gradients, stacked, are this
+        parameter's (autograd)."""
+        return _PerExpertFloat8.apply(self, transposed)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        source = args[0] if args else None
+        if isinstance(source, Fp8Experts):
+            if func in (aten.detach.default, aten.alias.default):
+                return source._alias()
+            if func is aten.as_strided.default and tuple(args[1]) == tuple(source.shape) and (
+                    tuple(args[2]) == tuple(source._data.stride())) and (len(args) < 4 or args[3] in (0, None)):
+                return source._alias()
+            if func in (aten.view.default, aten._unsafe_view.default) and tuple(args[1]) == tuple(source.shape):
+                return source._alias()
+        if func._schema.is_mutable and any(isinstance(a, Fp8Experts) for a in args):
+            raise RuntimeError(f"accel_fp8_fix: {func} on an experts weight gathered in FP8 (fixes/"
+                               "fp8_experts_gather.py): it is a read-only FSDP2 unsharded view; change the sharded "
+                               "parameter (the DTensor the optimizer steps) instead")
+        args = torch.utils._pytree.tree_map(_plain_args, args)
+        kwargs = torch.utils._pytree.tree_map(_plain_args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _PerExpertFloat8(torch.autograd.Function):
+    """``Fp8Experts`` -> one ``Float8Tensor`` per expert; backward stacks the experts' gradients (transposed back
+    for ``[E, in, out]`` weights) into the 3-D parameter's, in its dtype."""
+
+    @staticmethod
+    def forward(ctx, experts, transposed):
+        ctx.transposed, ctx.shape, ctx.dtype = transposed, tuple(experts.shape), experts.dtype
+        return tuple(experts.expert(e, transposed) for e in range(experts.shape[0]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows = ctx.shape[1:] if not ctx.transposed else (ctx.shape[2], ctx.shape[1])
+        ref = next((g for g in grads if g is not None), None)
+        device = ref.device if ref is not None else None
+        stacked = torch.stack([g.to(ctx.dtype) if g is not None else torch.zeros(rows, dtype=ctx.dtype, device=device)
+                               for g in grads])
+        return (stacked.transpose(1, 2).contiguous() if ctx.transposed else stacked), None
+
+
+@dataclass
+class ExpertsPerTensorGather:
+    """One packed-experts weight under per-tensor recipes: each local expert quantized with its own scale (from
+    :class:`~accel_fp8_fix.fixes.fp8_weight_record.WeightScales`, computed before the step's first unshard), the
+    bytes gathered, the E scales in the metadata (every rank has all of them after the packed all-reduce)."""
+    scales: object  # WeightScales
+    index: int  # in ``scales``
+    record_index: int
+    padded_size: torch.Size  # of one shard: [ceil(E / shards), a, b]
+    name: str
+
+    def pre_all_gather(self, local: torch.Tensor, orig_size):
+        scales = self.scales
+        scales.record.check_current(self.record_index)
+        quantizers = scales.quantizers_of(self.index)
+        first = scales.record.first_row(self.record_index)
+        bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
+        for row in range(local.shape[0] if local.numel() else 0):
+            bits[row].copy_(te_internals.quantized_bits(quantizers[first + row](local[row].detach())))
+        return (bits,), (scales.scale_inv_views[self.index], tuple(orig_size))
+
+    def post_all_gather(self, outputs, metadata, param_dtype, out):
+        (gathered,) = outputs
+        scale_inv, orig_size = metadata
+        data = gathered[: orig_size[0]]  # uneven sharding: FSDP2 pads each shard's experts
+        if out is not None:
+            experts = torch_fsdp2.local_of_unsharded(out)
+            experts._data = data
+            experts._expert_scale_inv.copy_(scale_inv)
+            return None
+        with torch.inference_mode(False):
+            own_scale_inv = scale_inv.clone()  # the experts' Float8Tensors view it; later gathers copy into it
+        quantizers = self.scales.quantizers_of(self.index)
+        return Fp8Experts(data, own_scale_inv, quantizers, param_dtype), (gathered,)
+
+
+def chosen_experts(model) -> list:
+    """(qualified name, experts module, FSDPParam) of the 3-D weights of every converted experts module FSDP2
+    shards."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for p in torch_fsdp2.fsdp_params(model):
+        module = torch_fsdp2.owner_module(p)
+        if moe_experts.is_converted(module) and torch_fsdp2.param_name(p) in EXPERT_WEIGHTS:
+            out.append((f"{names.get(id(module), '?')}.{torch_fsdp2.param_name(p)}", module, p))
+    return out
+
+
+def why_kept(module, fsdp_param, kind: str) -> str | None:
+    """Why this experts weight stays in the policy's dtype under the FP8 all-gather (None: it is gathered in FP8)."""
+    if kind == "block":
+        return "Float8 block scaling: experts are gathered in FP8 under the per-tensor recipes (delayed, current) only"
+    if moe_experts._expert_parallel(module):
+        return "expert parallelism (transformers' EP plan): its experts live on their own mesh"
+    tp_size, reason = moe_experts._tp_size(module)
+    if tp_size > 1 or reason is not None:
+        return "TP-sharded experts (FSDP2 re-wraps the gathered local shard as a DTensor)"
+    return torch_fsdp2.why_no_extension(fsdp_param)
