@@ -260,14 +260,21 @@ def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
         else:
             state = _PerTensorGather(scales, scales.add(record_index), record_index, padded, name)
         torch_fsdp2.install_extension(fsdp_param, functools.partial(_alias, state=state))
-    for name, fsdp_param in experts:  # a scale per expert, in the same packed all-reduce
+    for name, fsdp_param in experts:  # per-tensor: a scale per expert, in the same packed all-reduce
         setup.weights.append(name)
         setup.experts.append(name)
-        record_index = record.add(name, fsdp_param, "per_expert")
         padded = torch_fsdp2.padded_shard_size(fsdp_param)
-        count = torch_fsdp2.sharded_param(fsdp_param).shape[0]
-        state = fp8_experts_gather.ExpertsPerTensorGather(scales, scales.add(record_index, experts=count),
-                                                          record_index, padded, name)
+        if kind == "block":
+            record.add(name, fsdp_param, kind)
+            quantizer = te_internals.float8_block_weight_quantizer(recipe)
+            state = fp8_experts_gather.ExpertsBlockGather(
+                quantizer, padded, te_internals.block_scale_shape(quantizer, *padded[1:]), name,
+                gather_scales=torch_fsdp2.shard_world_size(fsdp_param) > 1)
+        else:
+            record_index = record.add(name, fsdp_param, "per_expert")
+            count = torch_fsdp2.sharded_param(fsdp_param).shape[0]
+            state = fp8_experts_gather.ExpertsPerTensorGather(scales, scales.add(record_index, experts=count),
+                                                              record_index, padded, name)
         torch_fsdp2.install_extension(fsdp_param, functools.partial(_alias, state=state))
     # before FSDP2's own root pre-forward hook (registered with prepend=True at fully_shard): before any unshard
     setup.hook = model.register_forward_pre_hook(functools.partial(_before_forward, setup), prepend=True)

@@ -14,10 +14,16 @@ Scales: the per-expert amaxes ride in the switch's ONE packed weight-amax all-re
 outside FSDP2's hooks, before the step's first unshard. Masters, optimizer state and checkpoints stay in the master
 dtype (the shard is the same alias class as a Linear's, pickling as a plain tensor).
 
-Served: the per-tensor recipes (delayed / current; under delayed the weights are current-scaled, as for Linears),
-experts sharded only by FSDP2 / HSDP. Kept in the policy's dtype, named in the log and ``setup.all_gather.kept``:
-experts under transformers' expert parallelism or TP-sharded (their parameters are DTensors FSDP2 re-wraps), and
-under Float8 block scaling.
+Float8 block scaling: each expert quantized tile by tile (128x128) on its shard — a tile never crosses an expert,
+an expert never crosses a shard — with no amax exchange; the experts' scale grids gathered beside the bytes (E
+must divide the shard ranks: FSDP2's uneven-shard rule) and handed to TE per expert as 2-D-scaled
+``Float8BlockwiseQTensor``s.
+
+Served: experts sharded only by FSDP2 / HSDP, under the per-tensor recipes (delayed / current; under delayed the
+weights are current-scaled, as for Linears) and Float8 block scaling. Kept in the policy's dtype, named in a
+warning and ``setup.all_gather.kept``: experts under transformers' expert parallelism or TP-sharded (their
+parameters are DTensors FSDP2 re-wraps); under block scaling, GPT-OSS's ``[E, in, out]`` experts and an E that the
+shard ranks do not divide.
 """
 
 from __future__ import annotations
@@ -39,10 +45,11 @@ def _plain_args(value):
 
 class Fp8Experts(torch.Tensor):
     """The unsharded 3-D experts weight FSDP2 hands the module under the FP8 all-gather: uint8 bytes ``[E, a, b]``
-    and one fp32 ``scale_inv`` per expert, nominally the policy's dtype. FSDP2's own handling (``as_strided`` to its
-    shape, ``nn.Parameter``'s detach) keeps it; any other op sees the dequantized weight (TE's dequantization,
-    expert by expert) and an in-place op is refused — only the experts' forward reads the bytes
-    (:meth:`expert_weights`)."""
+    and the experts' fp32 ``scale_inv``s — one per expert (per-tensor recipes: ``[E]``, with a quantizer per expert)
+    or a 128x128 tile grid per expert (Float8 block scaling: ``[E, tiles of a, padded tiles of b]``, one block
+    quantizer) — nominally the policy's dtype. FSDP2's own handling (``as_strided`` to its shape, ``nn.Parameter``'s
+    detach) keeps it; any other op sees the dequantized weight (TE's dequantization, expert by expert) and an
+    in-place op is refused — only the experts' forward reads the bytes (:meth:`expert_weights`)."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -67,9 +74,17 @@ class Fp8Experts(torch.Tensor):
     def _alias(self):
         return Fp8Experts(self._data, self._expert_scale_inv, self._quantizers, self.dtype)
 
+    @property
+    def block_scaled(self) -> bool:
+        return not isinstance(self._quantizers, (list, tuple))
+
     def expert(self, e: int, transposed: bool = False):
-        """Expert ``e`` as TE's ``Float8Tensor`` ``[out, in]`` (GPT-OSS's ``[in, out]`` bytes transposed)."""
+        """Expert ``e`` as TE's quantized tensor ``[out, in]`` (GPT-OSS's ``[in, out]`` bytes transposed; per-tensor
+        scales only): a ``Float8Tensor``, or a 2-D-scaled ``Float8BlockwiseQTensor`` under block scaling."""
         data = self._data[e]
+        if self.block_scaled:
+            return te_internals.make_float8_blockwise(data, self._expert_scale_inv[e], self.dtype,
+                                                      self._quantizers.copy())
         if transposed:
             data = data.t().contiguous()
         quantizer = self._quantizers[e]
@@ -161,6 +176,45 @@ class ExpertsPerTensorGather:
         return Fp8Experts(data, own_scale_inv, quantizers, param_dtype), (gathered,)
 
 
+@dataclass
+class ExpertsBlockGather:
+    """One packed-experts weight under Float8BlockScaling: each local expert quantized tile by tile (128x128, a
+    scale each: no amax exchange — every tile lies in one expert, every expert in one shard); over several shard
+    ranks FSDP2 gathers the bytes and the experts' scale grids (both stacked along experts: E divides the shard
+    ranks, checked), over one the grids ride in the metadata (FSDP2's world-size-1 path copies only the first
+    input)."""
+    quantizer: object
+    padded_size: torch.Size  # [E / shards, a, b]
+    scale_shape: tuple  # of one expert: [ceil(a / 128), roundup(ceil(b / 128), 4)]
+    name: str
+    gather_scales: bool
+
+    def pre_all_gather(self, local: torch.Tensor, orig_size):
+        bits = torch.empty(self.padded_size, dtype=torch.uint8, device=local.device)
+        grids = torch.empty((self.padded_size[0], *self.scale_shape), dtype=torch.float32, device=local.device)
+        for row in range(local.shape[0]):
+            data, sinv = te_internals.block_rowwise(self.quantizer(local[row].detach()))
+            if tuple(sinv.shape) != self.scale_shape:  # TE's get_scale_shape said otherwise at install
+                raise RuntimeError(f"accel_fp8_fix: FP8 all-gather of {self.name}: an expert's tile scales came "
+                                   f"out {tuple(sinv.shape)}, not {self.scale_shape}")
+            bits[row].copy_(data)
+            grids[row].copy_(sinv)
+        if self.gather_scales:
+            return (bits, grids), (tuple(orig_size), None)
+        return (bits,), (tuple(orig_size), grids)
+
+    def post_all_gather(self, outputs, metadata, param_dtype, out):
+        orig_size, grids = metadata
+        if grids is None:  # gathered with the bytes
+            grids = outputs[1]
+        data, grids = outputs[0][: orig_size[0]], grids[: orig_size[0]]
+        if out is not None:
+            experts = torch_fsdp2.local_of_unsharded(out)
+            experts._data, experts._expert_scale_inv = data, grids
+            return None
+        return Fp8Experts(data, grids, self.quantizer, param_dtype), tuple(outputs)
+
+
 def chosen_experts(model) -> list:
     """(qualified name, experts module, FSDPParam) of the 3-D weights of every converted experts module FSDP2
     shards."""
@@ -175,11 +229,18 @@ def chosen_experts(model) -> list:
 
 def why_kept(module, fsdp_param, kind: str) -> str | None:
     """Why this experts weight stays in the policy's dtype under the FP8 all-gather (None: it is gathered in FP8)."""
-    if kind == "block":
-        return "Float8 block scaling: experts are gathered in FP8 under the per-tensor recipes (delayed, current) only"
     if moe_experts._expert_parallel(module):
         return "expert parallelism (transformers' EP plan): its experts live on their own mesh"
     tp_size, reason = moe_experts._tp_size(module)
     if tp_size > 1 or reason is not None:
         return "TP-sharded experts (FSDP2 re-wraps the gathered local shard as a DTensor)"
+    if kind == "block":
+        if moe_experts._transposed(module):
+            return ("Float8 block scaling of [E, in, out] experts (GPT-OSS's layout): TE's GEMM needs [out, in] tiles; "
+                    "served under the per-tensor recipes")
+        experts, shards = torch_fsdp2.sharded_param(fsdp_param).shape[0], torch_fsdp2.shard_world_size(fsdp_param)
+        if shards > 1 and experts % shards:
+            return (f"Float8 block scaling with {experts} experts over {shards} shard ranks (uneven): FSDP2 requires "
+                    "every all-gather input of an unevenly sharded parameter to have the padded shard's size, and "
+                    "the tile scales are a second input of another size")
     return torch_fsdp2.why_no_extension(fsdp_param)

@@ -327,7 +327,10 @@ MOE_ON = ("sc_moe", {"recipe": "current"})
 MOE_BYTES = [("sc_moe", {"policy": "bf16", "all_gather": mode, "steps": 1, "reference": False})
              for mode in ("fp8", "high_precision")]
 MOE_GPT_OSS = ("sc_moe", {"family": "gpt_oss", "recipe": "current", "steps": 2})
-PLAN_LLM_2 += [MOE_ON, *MOE_BYTES, MOE_GPT_OSS]
+# Float8 block scaling: a Qwen3-MoE 256 wide (every Linear's shard whole 128x128 tiles on 2 ranks), 4 experts
+MOE_BLOCK = [("sc_moe", {"family": "qwen3_moe_256", "recipe": "block", "steps": 2, "all_gather": mode,
+                         "reference": mode == "fp8"}) for mode in ("fp8", "high_precision")]
+PLAN_LLM_2 += [MOE_ON, *MOE_BYTES, MOE_GPT_OSS, *MOE_BLOCK]
 MOE_4 = [("sc_moe", {"recipe": "current", "dp_replicate": 2, "dp_shard": 2, "steps": 2}),  # HSDP 2 x 2
          ("sc_moe", {"family": "qwen3_moe_proportioned_6", "recipe": "current", "steps": 2})]  # 6 experts: 2, 2, 2, 0
 
@@ -582,3 +585,18 @@ def test_moe_all_gather_moves_about_half_the_bytes_under_a_bf16_policy(moe2):
         ratio = f_on["per_step"][0]["all_gathered_bytes"] / f_off["per_step"][0]["all_gathered_bytes"]
         assert ratio <= 0.55, ratio
         assert f_on["per_step"][0]["all_gather_dtypes"] == ["torch.bfloat16", "torch.uint8"]
+
+
+def test_moe_experts_are_gathered_tile_by_tile_under_block_scaling(moe2):
+    """Float8BlockScaling: each expert quantized in 128x128 tiles on its shard, the tile grids gathered beside the
+    bytes, no amax exchange; TE's grouped GEMM receives each expert as TE would have quantized it, so the run is
+    the switch-off run exactly."""
+    on, off = (_moe(moe2, spec) for spec in MOE_BLOCK)
+    for f_on, f_off in zip(on, off):
+        assert f_on["gathered_experts"] == EXPERT_WEIGHTS and f_on["kept"] == {}
+        assert f_on["expert_weight_types"] == ["Fp8Experts"] and f_off["expert_weight_types"] == ["Parameter"]
+        assert f_on["bits"] == {"compared": sorted(EXPERT_WEIGHTS), "steps": 2, "mismatched": []}
+        assert f_on["amax_reductions"] == 0 and f_on["per_step"][-1]["all_reduces"] == []  # nothing exchanged
+        assert f_on["losses"] == f_off["losses"] and f_on["grad_norms"] == f_off["grad_norms"]
+        assert f_on["losses"] == pytest.approx(f_on["reference"], rel=1e-3)
+        assert f_on["per_step"][-1]["all_gathered_bytes"] / f_off["per_step"][-1]["all_gathered_bytes"] < 0.32

@@ -567,7 +567,17 @@ MOE_BATCH = 8  # sequences of zoo_scenarios.SEQ tokens, split over the data-para
 def _moe_model(family):
     from . import moe_scenarios, zoo_scenarios
 
-    if family.startswith("qwen3_moe_proportioned"):  # "..._6": 6 experts (uneven over 4 shard ranks: 2, 2, 2, 0)
+    if family == "qwen3_moe_256":  # every Linear's rows / 2 shard ranks a multiple of 128 (block scaling's tiles)
+        import torch
+        import transformers as tf
+
+        config = tf.Qwen3MoeConfig(vocab_size=zoo_scenarios.VOCAB, hidden_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, head_dim=64, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1,
+                                   max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager")
+        torch.manual_seed(0)
+        model = tf.Qwen3MoeForCausalLM(config)
+    elif family.startswith("qwen3_moe_proportioned"):  # "..._6": 6 experts (uneven over 4 shard ranks: 2, 2, 2, 0)
         model = moe_scenarios._proportioned_qwen3_moe(experts=int(family.rsplit("_", 1)[1]) if family[-1].isdigit() else 32)
     else:
         model = zoo_scenarios.build(family)
@@ -682,7 +692,9 @@ def sc_moe(rank, world_size, all_gather="fp8", family="qwen3_moe_proportioned", 
     scenarios.ensure_rehearsal(True)
     os.environ[ALL_GATHER_ENV] = all_gather
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[policy]
-    ref = _moe_reference(family, recipe, steps, all_gather == "fp8") if reference else (None, None)
+    # block scaling: each expert's (and Linear's) tiles are the whole weight's, so TE quantizing in its GEMM is the
+    # reference; per-tensor recipes: each weight quantized per step as the switch does
+    ref = _moe_reference(family, recipe, steps, all_gather == "fp8" and recipe != "block") if reference else (None, None)
     layer = moe_scenarios.DECODER_LAYER["qwen3_moe" if family.startswith("qwen3_moe") else family]
     acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
                                      wrap_cls=[layer], fp8_recipe=RECIPES[recipe],
@@ -749,12 +761,16 @@ def _eval_finite(model, data):
 class _ExpertBitsProbe:
     """Every step, at each experts module's first forward: the gathered FP8 experts weight (bytes and the E scales)
     against TE's Float8Quantizer applied to each whole master expert (``full_tensor()``, taken before the step)
-    at TE's ``compute_scale_from_amax`` of that expert's amax — bit for bit."""
+    at TE's ``compute_scale_from_amax`` of that expert's amax — block scaling: TE's Float8BlockQuantizer on each
+    whole master expert (bytes and tile grid) — bit for bit."""
 
     def __init__(self, model, ag, recipe):
         from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
 
+        from accel_fp8_fix.internals import transformer_engine as te_internals
+
         self.params = fp8_all_gather_fix.scale_params(recipe)
+        self.block = te_internals.float8_block_weight_quantizer(recipe) if ag.kind == "block" else None
         self.names = list(ag.experts)
         owners = {w.rsplit(".", 1)[0] for w in self.names}
         self.modules = {n: m for n, m in model.named_modules() if n in owners}
@@ -772,6 +788,10 @@ class _ExpertBitsProbe:
         for n, m in self.modules.items():
             for w in ("gate_up_proj", "down_proj"):
                 full = scenarios.full_tensor(getattr(m, w)).detach()
+                if self.block is not None:
+                    pairs = [te_internals.block_rowwise(self.block(full[e])) for e in range(full.shape[0])]
+                    self.expected[(n, w)] = (torch.stack([d for d, _ in pairs]), torch.stack([g for _, g in pairs]))
+                    continue
                 scales = fp8_all_gather_fix.scales_from_amaxes(full.abs().amax(dim=(1, 2)).float(), self.params)
                 data = torch.stack([te_internals.quantized_bits(
                     te_internals.float8_quantizer(scales[e:e + 1].clone(), self.params.fp8_dtype)(full[e]))

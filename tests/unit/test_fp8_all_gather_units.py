@@ -306,6 +306,17 @@ def test_experts_stay_in_the_policy_dtype_where_not_served_named():
 
     from accel_fp8_fix.fixes.fp8_experts_gather import why_kept
 
-    module = SimpleNamespace(_is_expert_parallel=True)
-    assert "block scaling" in why_kept(module, None, "block")
-    assert "expert parallelism" in why_kept(module, None, "per_tensor")
+    assert "expert parallelism" in why_kept(SimpleNamespace(_is_expert_parallel=True), None, "per_tensor")
+
+    def experts(n, transposed=False):
+        return SimpleNamespace(gate_up_proj=torch.zeros(n, 32, 16), down_proj=torch.zeros(n, 16, 16),
+                               is_transposed=transposed, has_bias=False)
+
+    def fsdp(n, world):
+        return SimpleNamespace(**vars(_fake_fsdp_param(n, 32, world, param=torch.zeros(n, 32, 16))),
+                               offload_to_cpu=False, post_forward_mesh_info=None,
+                               fsdp_placement=SimpleNamespace(dim=0), _unsharded_param=None)
+
+    assert why_kept(experts(4), fsdp(4, 2), "block") is None and why_kept(experts(6), fsdp(6, 4), "per_tensor") is None
+    assert "6 experts over 4 shard ranks (uneven)" in why_kept(experts(6), fsdp(6, 4), "block")
+    assert "GPT-OSS's layout" in why_kept(experts(4, transposed=True), fsdp(4, 2), "block")
