@@ -13,13 +13,20 @@ import pytest
 from support import ep_scenarios, scenarios
 
 PLAN = [("sc_ep", {"fp8": True}), ("sc_ep", {"fp8": False}), ("sc_ep", {"fp8": True, "skew": [0, 1]})]
+# EP x TP (transformers' DistributedConfig(fsdp_size=2, tp_size=2, ep_size=E): its TP plan on attention, its EP on
+# the experts; accelerate FSDP2 2 x TP 2): ep 2 (efsdp 2: each expert on two ranks) and ep 4 (every expert whole on
+# one rank: efsdp 1)
+EP_TP = [("sc_ep", {"fsdp": 2, "tp": 2, "ep": 2}), ("sc_ep", {"fsdp": 2, "tp": 2, "ep": 4, "steps": 2})]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("ep_checkpoint"))
-    return scenarios.launch(ep_scenarios, PLAN + [("sc_ep_checkpoint", {"out_dir": out_dir}),
-                                                  ("sc_ep_resize", {"out_dir": out_dir})], 4)
+    return scenarios.launch(ep_scenarios, _plan4(out_dir), 4)
+
+
+def _plan4(out_dir):
+    return PLAN + [("sc_ep_checkpoint", {"out_dir": out_dir}), ("sc_ep_resize", {"out_dir": out_dir})] + EP_TP
 
 
 def _facts(launched, kw):
@@ -139,3 +146,36 @@ def test_two_ranks_each_holding_whole_experts(two_ranks):
         assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4)
         assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
         assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=3e-2)
+
+
+@pytest.mark.parametrize("kw", [kw for _, kw in EP_TP], ids=["ep2", "ep4"])
+def test_ep_with_tp_trains_its_experts_in_fp8_like_the_one_process_reference(launched, kw):
+    """EP x TP as transformers sets it up (``ep_size`` a multiple of ``tp_size``): attention TP-sharded and on TE,
+    each rank's whole experts on TE grouped GEMMs in FP8; each expert's scales shared with the ranks holding it (the
+    experts' mesh without 'ep': efsdp) and no other expert's; losses and clipped norms against one process."""
+    facts = scenarios.facts_of(launched, scenarios.key_of(_plan4(None), "sc_ep", kw))
+    local = 4 // kw["ep"]
+    for rank, f in enumerate(facts):
+        assert f["experts"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], f["skipped"]
+        assert not any("experts" in n for n in f["skipped"]), f["skipped"]
+        assert f["tp_linears"] == {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row"}
+        assert f["local_experts"] == local and "AllToAllEP" in f["ep_implementations"]
+        assert f["stats"]["non_fp8_gemms"] == 0 and f["stats"]["grouped_gemms"] == 12 * len(f["losses"])
+        assert f["fp8_share_outside_lm_head"] >= 0.9, f["high_precision"]
+        assert f["losses"][0] == pytest.approx(f["reference"][0], rel=2e-4)
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-2)
+        assert f["grad_norms"] == pytest.approx(f["reference_grad_norms"], rel=3e-2)
+        # this rank's experts' amax histories are the reference's columns of ITS experts, no other rank's
+        assert all(f["amax_step0_equal_reference"].values()), f["amax_step0_equal_reference"]
+        assert not any(f["amax_step0_equal_any_other_expert"].values())
+    holders = {}
+    for rank, f in enumerate(facts):
+        holders.setdefault(f["ep_rank"], []).append(rank)
+    for f in facts:  # the experts' group: exactly the ranks holding the same experts
+        assert f["expert_group"] == holders[f["ep_rank"]]
+    # evaluation (FP8 off in eval; AutoEP's all-reduce dispatch where ep == tp): the ranks sharing a batch agree
+    by_batch = {}
+    for f in facts:
+        by_batch.setdefault(f["dp_rank"], set()).add(round(f["eval_loss"], 5))
+    assert all(len(v) == 1 for v in by_batch.values()), by_batch
+    assert all(abs(f["eval_loss"] - f["losses"][-1]) < 0.2 for f in facts)

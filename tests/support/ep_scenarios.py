@@ -64,10 +64,11 @@ def reference(family, fp8, steps, skew=None):
     return losses, norms, amax
 
 
-def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=STEPS, skew=None):
-    """Train ``steps`` steps of ``family`` loaded with transformers' FSDP2 x EP and prepared by the package: losses,
-    clipped grad norms and the experts' FP8 state against the one-process reference. ``skew``: every token routed
-    to those experts (the other EP rank runs none)."""
+def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=STEPS, skew=None, tp=None):
+    """Train ``steps`` steps of ``family`` loaded with transformers' FSDP2 x EP (x TP with ``tp``: its TP plan on
+    the dense modules, accelerate FSDP2 x TP on the same ranks) and prepared by the package: losses, clipped grad
+    norms and the experts' FP8 state against the one-process reference. ``skew``: every token routed to those
+    experts (the other EP rank runs none)."""
     import torch
     import torch.distributed as dist
 
@@ -76,7 +77,7 @@ def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=ST
     warnings.simplefilter("ignore")
     scenarios.ensure_rehearsal(True)
     ref = reference(family, fp8, steps, skew)
-    acc, model, opt = _prepared_ep(family, fsdp, ep)
+    acc, model, opt = _prepared_ep(family, fsdp, ep, tp=tp)
     experts = model.model.layers[0].mlp.experts
     ep_rank = experts.gate_up_proj.device_mesh["ep"].get_local_rank()
     local = experts.num_experts
@@ -84,6 +85,7 @@ def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=ST
     dp_rank, dp_size = zoo_scenarios._data_rank(acc, "fsdp2")
     per = zoo_scenarios.GLOBAL_BATCH // dp_size
     data = zoo_scenarios.batch(slice(dp_rank * per, (dp_rank + 1) * per))
+    implementation = transformers_ep_names(experts)
     if not fp8:  # the same prepared model with TE autocast off (eval mode: the wrapped forward turns FP8 off)
         model.eval()
     counts = []
@@ -104,6 +106,13 @@ def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=ST
             losses.append(float(value) / world_size)
             states.append({k: float(v.double().sum()) for k, v in _fwd_amax(model).items()})
     hook.remove()
+    stats = scenarios.te_stats()  # of the training steps
+    eval_loss = None
+    if tp:  # an evaluation pass: transformers' AutoEP dispatches by all-reduce when the EP group shares one batch
+        model.eval()
+        with torch.no_grad():
+            eval_loss = float(model(**data).loss)
+        model.train()
     import accel_fp8_fix
 
     coverage = accel_fp8_fix.audit(model, acc).coverage
@@ -116,28 +125,48 @@ def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=ST
              "losses": losses, "reference": ref[0], "grad_norms": norms, "reference_grad_norms": ref[1],
              "coverage": coverage.fp8_param_share, "high_precision": coverage.high_precision,
              "fp8_share_outside_lm_head": coverage.fp8_params / (coverage.gemm_params - output_layer),
-             "stats": scenarios.te_stats(), "ep_rank": ep_rank, "local_experts": local,
+             "stats": stats, "ep_rank": ep_rank, "local_experts": local,
+             "ep_implementations": implementation, "tp_linears": _tp_linears(model), "eval_loss": eval_loss,
+             "dp_rank": dp_rank,
              "expert_group": dist.get_process_group_ranks(group) if group is not None else None,
              "rows_per_step": counts, "amax_states": states,
              "amax_step0_equal_reference": {k: bool(torch.equal(v, ref[2][k][:, cols])) for k, v in amax0.items()},
              "amax_step0_equal_other_experts": {
                  k: bool(torch.equal(v, ref[2][k][:, slice(3 * (1 - ep_rank) * local, 3 * (2 - ep_rank) * local)]))
-                 for k, v in amax0.items()} if ep == 2 else None}
+                 for k, v in amax0.items()} if ep == 2 else None,
+             "amax_step0_equal_any_other_expert": {
+                 k: any(torch.equal(v, ref[2][k][:, slice(3 * r * local, 3 * (r + 1) * local)])
+                        for r in range(ep) if r != ep_rank) for k, v in amax0.items()}}
     fp8_scenarios.reset_te_global_state()
     return facts
 
 
-def _prepared_ep(family, fsdp, ep, seed=0):
+def transformers_ep_names(experts) -> list:
+    """The class names of the EP implementations transformers' dispatch runs on ``experts`` (AutoEP and those it
+    delegates to)."""
+    from accel_fp8_fix.internals import transformers_ep
+
+    implementation = transformers_ep.dispatch(experts)
+    return sorted({type(c).__name__ for c in transformers_ep._callers(implementation)}) if implementation else []
+
+
+def _tp_linears(model) -> dict:
+    """{name: TE's parallel_mode} of layer 0's attention projections run by TE in TP (TE-native TP)."""
+    attention = model.model.layers[0].self_attn
+    return {n: m.parallel_mode for n, m in attention.named_children() if getattr(m, "parallel_mode", None)}
+
+
+def _prepared_ep(family, fsdp, ep, seed=0, tp=None):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     acc = scenarios.make_accelerator(
-        fsdp=True, dp_shard=fsdp, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
+        fsdp=True, dp_shard=fsdp, tp=tp, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
         wrap_cls=[moe_scenarios.DECODER_LAYER[family]],
         mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
     model = zoo_scenarios.build(family, seed=seed)
     model.config._experts_implementation = "eager"
-    model = scenarios.load_sharded_by_transformers(model, tp_size=1, fsdp_size=fsdp, ep_size=ep)  # ep None: no EP
+    model = scenarios.load_sharded_by_transformers(model, tp_size=tp or 1, fsdp_size=fsdp, ep_size=ep)  # ep None: no EP
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=moe_scenarios.LR)
     model, opt = acc.prepare(model, opt)
