@@ -19,11 +19,14 @@ an expert never crosses a shard — with no amax exchange; the experts' scale gr
 must divide the shard ranks: FSDP2's uneven-shard rule) and handed to TE per expert as 2-D-scaled
 ``Float8BlockwiseQTensor``s.
 
-Served: experts sharded only by FSDP2 / HSDP, under the per-tensor recipes (delayed / current; under delayed the
-weights are current-scaled, as for Linears) and Float8 block scaling. Kept in the policy's dtype, named in a
-warning and ``setup.all_gather.kept``: experts under transformers' expert parallelism or TP-sharded (their
-parameters are DTensors FSDP2 re-wraps); under block scaling, GPT-OSS's ``[E, in, out]`` experts and an E that the
-shard ranks do not divide.
+Served under the per-tensor recipes (delayed / current; under delayed the weights are current-scaled, as for
+Linears): experts under FSDP2, HSDP, FSDP2 x TP (each rank's TP slice of every expert quantized at the whole
+expert's scale: the slices' amaxes meet in the same MAX) and transformers' expert parallelism (a slot per GLOBAL
+expert: a shard's first expert is its DTensor offset, ``ep`` included; FSDP2 re-wraps the gathered ``Fp8Experts``
+in a DTensor on the other dims, whose local tensor the experts' forward receives). Under Float8 block scaling:
+experts sharded by FSDP2 / HSDP only. Kept in the policy's dtype, named in a warning and
+``setup.all_gather.kept``: under block scaling, experts under EP or TP, GPT-OSS's ``[E, in, out]`` experts and an E
+that the shard ranks do not divide.
 """
 
 from __future__ import annotations
@@ -159,11 +162,14 @@ class ExpertsPerTensorGather:
         bits = torch.zeros(self.padded_size, dtype=torch.uint8, device=local.device)
         for row in range(local.shape[0] if local.numel() else 0):
             bits[row].copy_(te_internals.quantized_bits(quantizers[first + row](local[row].detach())))
-        return (bits,), (scales.scale_inv_views[self.index], tuple(orig_size))
+        # the gathered tensor's experts (under EP: this EP rank's) are global experts [start, start + rows)
+        start = scales.record.first_unsharded_row(self.record_index)
+        rows = slice(start, start + orig_size[0])
+        return (bits,), (scales.scale_inv_views[self.index][rows], tuple(orig_size), rows)
 
     def post_all_gather(self, outputs, metadata, param_dtype, out):
         (gathered,) = outputs
-        scale_inv, orig_size = metadata
+        scale_inv, orig_size, rows = metadata
         data = gathered[: orig_size[0]]  # uneven sharding: FSDP2 pads each shard's experts
         if out is not None:
             experts = torch_fsdp2.local_of_unsharded(out)
@@ -172,7 +178,7 @@ class ExpertsPerTensorGather:
             return None
         with torch.inference_mode(False):
             own_scale_inv = scale_inv.clone()  # the experts' Float8Tensors view it; later gathers copy into it
-        quantizers = self.scales.quantizers_of(self.index)
+        quantizers = self.scales.quantizers_of(self.index)[rows]
         return Fp8Experts(data, own_scale_inv, quantizers, param_dtype), (gathered,)
 
 
@@ -229,11 +235,9 @@ def chosen_experts(model) -> list:
 
 def why_kept(module, fsdp_param, kind: str) -> str | None:
     """Why this experts weight stays in the policy's dtype under the FP8 all-gather (None: it is gathered in FP8)."""
-    if moe_experts._expert_parallel(module):
-        return "expert parallelism (transformers' EP plan): its experts live on their own mesh"
-    tp_size, reason = moe_experts._tp_size(module)
-    if tp_size > 1 or reason is not None:
-        return "TP-sharded experts (FSDP2 re-wraps the gathered local shard as a DTensor)"
+    if kind == "block" and (moe_experts._expert_parallel(module) or moe_experts._tp_size(module)[0] > 1):
+        return ("Float8 block scaling of experts under expert parallelism or TP: served under the per-tensor "
+                "recipes")
     if kind == "block":
         if moe_experts._transposed(module):
             return ("Float8 block scaling of [E, in, out] experts (GPT-OSS's layout): TE's GEMM needs [out, in] tiles; "

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import collectives
-from ..internals import torch_fsdp2
+from ..internals import torch_fsdp2, torch_internals
 from ..internals import transformer_engine as te_internals
 from .fp8_all_gather_policy import Fp8AllGatherError
 
@@ -132,10 +132,15 @@ class WeightRecord:
             weight.stamp = None
 
     def first_row(self, i: int) -> int:
-        """The row of the whole parameter where this rank's shard starts (FSDP2 shards dim 0 in equal chunks, the
-        last ones short or empty)."""
+        """The row of the whole (global) parameter where this rank's shard starts: FSDP2's dim-0 chunk, inside the
+        rows other mesh dims give this rank (expert parallelism's ``ep``)."""
+        return torch_internals.global_row_offset(torch_fsdp2.sharded_param(self.weights[i].fsdp_param))
+
+    def first_unsharded_row(self, i: int) -> int:
+        """The global row where the tensor FSDP2 gathers for this rank starts (its shard's start less FSDP2's own
+        chunks before it)."""
         fsdp_param = self.weights[i].fsdp_param
-        return torch_fsdp2.shard_rank(fsdp_param) * torch_fsdp2.padded_shard_size(fsdp_param)[0]
+        return self.first_row(i) - torch_fsdp2.shard_rank(fsdp_param) * torch_fsdp2.padded_shard_size(fsdp_param)[0]
 
     def shards(self, indices) -> list:
         return [torch_fsdp2.sharded_local_tensor(self.weights[i].fsdp_param) for i in indices]

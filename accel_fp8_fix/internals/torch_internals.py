@@ -16,6 +16,8 @@ globals a torch pickle names.
   handler drains each gloo group before destroying them, ``fixes/clean_exit.py``);
 - ``torch._utils._rebuild_tensor_v2`` / ``torch.storage._load_from_bytes``: the globals a pickled tensor names
   (TE's extra state), for a restricted unpickler;
+- ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: where a DTensor's local shard starts in
+  the global tensor (a packed-experts weight's first expert on this rank, ``_StridedShard`` included);
 - ``DeviceMesh._flatten()``: one process group over several mesh dims (the ranks holding the same experts under
   transformers' expert parallelism with HSDP: ``dp_replicate`` x ``efsdp``).
 """
@@ -38,6 +40,7 @@ _SOURCES = (
     ("distributed/distributed_c10d.py", "def pg_map(self)"),
     ("distributed/distributed_c10d.py", "_world = _World()"),
     ("_utils.py", "def _rebuild_tensor_v2("),
+    ("distributed/tensor/_utils.py", "def compute_local_shape_and_global_offset("),
     ("storage.py", "def _load_from_bytes("),
     ("distributed/device_mesh.py", "def _flatten("),
 )
@@ -139,3 +142,13 @@ def pickled_tensor_globals(load_storage) -> dict:
 def flatten_mesh(mesh):
     """``mesh`` (several dims) as one flattened 1-D mesh (``DeviceMesh._flatten``); every rank calls it alike."""
     return mesh._flatten()
+
+
+def global_row_offset(dtensor) -> int:
+    """The global index along dim 0 of this rank's first local row of ``dtensor`` (0 for a plain tensor)."""
+    if not hasattr(dtensor, "device_mesh"):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    return int(offset[0]) if offset else 0

@@ -332,7 +332,10 @@ MOE_BLOCK = [("sc_moe", {"family": "qwen3_moe_256", "recipe": "block", "steps": 
                          "reference": mode == "fp8"}) for mode in ("fp8", "high_precision")]
 PLAN_LLM_2 += [MOE_ON, *MOE_BYTES, MOE_GPT_OSS, *MOE_BLOCK]
 MOE_4 = [("sc_moe", {"recipe": "current", "dp_replicate": 2, "dp_shard": 2, "steps": 2}),  # HSDP 2 x 2
-         ("sc_moe", {"family": "qwen3_moe_proportioned_6", "recipe": "current", "steps": 2})]  # 6 experts: 2, 2, 2, 0
+         ("sc_moe", {"family": "qwen3_moe_proportioned_6", "recipe": "current", "steps": 2}),  # 6 experts: 2, 2, 2, 0
+         # FSDP2 x TP (transformers' packed-colwise / rowwise experts) and EP loaded by transformers (fsdp 4 x ep 2)
+         ("sc_moe", {"family": "qwen3_moe", "recipe": "current", "dp_shard": 2, "tp": 2, "steps": 2}),
+         ("sc_moe", {"family": "qwen3_moe", "recipe": "current", "dp_shard": 4, "ep": 2, "steps": 2})]
 
 
 @pytest.fixture(scope="module")
@@ -563,7 +566,7 @@ def test_moe_experts_are_gathered_in_fp8_with_a_scale_per_expert(moe2, moe4):
     on = _moe(moe2, MOE_ON)
     _check_moe_gathered(on, 3)
     _check_moe_reference(on)
-    for facts in moe4:  # HSDP 2 x 2; 6 experts over 4 shard ranks (2, 2, 2 and none)
+    for facts in moe4:  # HSDP 2 x 2; 6 experts over 4 shard ranks (2, 2, 2 and none); FSDP2 x TP; EP
         _check_moe_gathered(facts, 2)
         _check_moe_reference(facts)
 

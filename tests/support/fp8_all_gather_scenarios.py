@@ -674,10 +674,12 @@ def fp8_all_gather_fix_scale_params(recipe):
 
 
 def sc_moe(rank, world_size, all_gather="fp8", family="qwen3_moe_proportioned", policy="fp32", recipe="delayed",
-           steps=3, reference=True, dp_replicate=None, dp_shard=None):
+           steps=3, reference=True, dp_replicate=None, dp_shard=None, tp=None, ep=None):
     """A packed-experts model under FSDP2 + FP8 with the switch ``all_gather``: losses and clipped grad norms per
     step (and the one-process reference with the same FP8 weights), bytes FSDP2 all-gathered per step and their
-    dtypes, which weights were gathered in FP8 (experts among them) and what the experts' forward received."""
+    dtypes, which weights were gathered in FP8 (experts among them) and what the experts' forward received.
+    ``tp``: FSDP2 x TP (transformers' packed-colwise / rowwise experts); ``ep``: loaded by transformers with
+    ``DistributedConfig(fsdp_size=world, ep_size=ep)`` (expert parallelism), then accelerate FSDP2."""
     import warnings
 
     import torch
@@ -696,18 +698,26 @@ def sc_moe(rank, world_size, all_gather="fp8", family="qwen3_moe_proportioned", 
     # reference; per-tensor recipes: each weight quantized per step as the switch does
     ref = _moe_reference(family, recipe, steps, all_gather == "fp8" and recipe != "block") if reference else (None, None)
     layer = moe_scenarios.DECODER_LAYER["qwen3_moe" if family.startswith("qwen3_moe") else family]
-    acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
-                                     wrap_cls=[layer], fp8_recipe=RECIPES[recipe],
+    acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp,
+                                     mixed_precision="fp8", wrap_cls=[layer], fp8_recipe=RECIPES[recipe],
                                      mixed_precision_policy=MixedPrecisionPolicy(param_dtype=dtype,
                                                                                  reduce_dtype=torch.float32))
     model = _moe_model(family)
+    if tp:
+        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+    if ep:
+        model = scenarios.load_sharded_by_transformers(model, tp_size=1, fsdp_size=world_size, ep_size=ep)
+        model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
-    data = {k: v.chunk(world_size)[rank] for k, v in _moe_batch().items()}
-    seen = []  # the classes of the experts' weights at their forward
+    from . import zoo_scenarios
+
+    dp_rank, dp_size = zoo_scenarios._data_rank(acc, "fsdp2")
+    data = {k: v.chunk(dp_size)[dp_rank] for k, v in _moe_batch().items()}
+    seen = []  # the classes of the experts' weights at their forward (inside a DTensor: its local tensor's)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
-    handles = [m.register_forward_pre_hook(lambda mod, args: seen.append(type(mod.gate_up_proj).__name__))
-               for m in experts]
+    handles = [m.register_forward_pre_hook(lambda mod, args: seen.append(
+        type(getattr(mod.gate_up_proj, "_local_tensor", mod.gate_up_proj)).__name__)) for m in experts]
     ag = acc.accel_fp8_fix.all_gather
     probe = _ExpertBitsProbe(model, ag, acc.accel_fp8_fix.recipe) if ag is not None and ag.experts else None
     losses, norms, per_step = [], [], []
@@ -787,16 +797,40 @@ class _ExpertBitsProbe:
         self.steps += 1
         for n, m in self.modules.items():
             for w in ("gate_up_proj", "down_proj"):
-                full = scenarios.full_tensor(getattr(m, w)).detach()
+                param = getattr(m, w)
+                full = scenarios.full_tensor(param).detach()
+                local, start = self._unsharded_local(param)
                 if self.block is not None:
-                    pairs = [te_internals.block_rowwise(self.block(full[e])) for e in range(full.shape[0])]
+                    pairs = [te_internals.block_rowwise(self.block(local[e])) for e in range(local.shape[0])]
                     self.expected[(n, w)] = (torch.stack([d for d, _ in pairs]), torch.stack([g for _, g in pairs]))
                     continue
+                # each global expert's scale from its whole weight's amax (all TP slices); this rank's unsharded
+                # experts (under EP: its EP rank's) quantized at their experts' scales
                 scales = fp8_all_gather_fix.scales_from_amaxes(full.abs().amax(dim=(1, 2)).float(), self.params)
+                mine = scales[start:start + local.shape[0]]
                 data = torch.stack([te_internals.quantized_bits(
-                    te_internals.float8_quantizer(scales[e:e + 1].clone(), self.params.fp8_dtype)(full[e]))
-                    for e in range(full.shape[0])])
-                self.expected[(n, w)] = (data, torch.reciprocal(scales))
+                    te_internals.float8_quantizer(mine[e:e + 1].clone(), self.params.fp8_dtype)(local[e]))
+                    for e in range(local.shape[0])])
+                self.expected[(n, w)] = (data, torch.reciprocal(mine))
+
+    @staticmethod
+    def _unsharded_local(param):
+        """(the high-precision tensor FSDP2 gathers for this rank — the sharded DTensor replicated over FSDP2's
+        shard dims (dim-0 ``Shard`` on data-parallel mesh dims), local part of every other dim —, the global
+        expert where it starts)."""
+        from torch.distributed.tensor import Replicate
+
+        from accel_fp8_fix.fixes.tp_layout import DATA_PARALLEL_DIMS
+        from accel_fp8_fix.internals import torch_internals
+
+        if not hasattr(param, "device_mesh"):
+            return param.detach(), 0
+        names = param.device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(param.device_mesh.ndim))
+        placements = [Replicate() if (name in DATA_PARALLEL_DIMS + ("efsdp", "dim0", "dim1") and p.is_shard()
+                                      or type(p).__name__ == "_StridedShard" and p.dim == 0) else p
+                      for name, p in zip(names, param.placements)]
+        unsharded = param.redistribute(param.device_mesh, placements)
+        return unsharded.to_local().detach(), torch_internals.global_row_offset(unsharded)
 
     def _check(self, n, mod):
         import torch
@@ -806,6 +840,7 @@ class _ExpertBitsProbe:
             if want is None:
                 continue
             got = getattr(mod, w)
+            got = getattr(got, "_local_tensor", got)
             ok = type(got).__name__ == "Fp8Experts" and torch.equal(got._data, want[0]) and torch.equal(
                 got._expert_scale_inv, want[1])
             self.oks.setdefault(f"{n}.{w}", []).append(ok)

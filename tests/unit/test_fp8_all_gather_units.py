@@ -226,7 +226,7 @@ def test_fsdp2_is_told_to_keep_the_all_gather_outputs():
     assert shard.fsdp_should_release_all_gather_outputs_after_post_all_gather() is False
 
 
-def test_packed_experts_get_a_scale_per_expert_in_the_same_packed_reduction():
+def test_packed_experts_get_a_scale_per_expert_in_the_same_packed_reduction(monkeypatch):
     """A packed-experts weight [E, out, in] takes E slots of the packed amax vector: this rank's shard (whole
     experts, FSDP2's dim-0 chunk at ``shard rank x padded rows``) fills its experts' slots, the others stay 0 for
     the MAX all-reduce to fill from the ranks that hold them."""
@@ -239,6 +239,10 @@ def test_packed_experts_get_a_scale_per_expert_in_the_same_packed_reduction():
     linear = torch.randn(8, 16)
     experts = torch.randn(6, 4, 8) * torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).reshape(6, 1, 1)
     shard = experts[2:4]  # rank 1 of 3: experts 2 and 3
+    from accel_fp8_fix.internals import torch_internals
+
+    # where the shard starts in the global tensor: the DTensor's offset (here the second of three FSDP2 chunks)
+    monkeypatch.setattr(torch_internals, "global_row_offset", lambda t: 2 if t is shard else 0)
     record = WeightRecord()
     scales = WeightScales(record, None, fp8_all_gather_fix.scale_params(Float8CurrentScaling()))
     scales.add(record.add("w", _fake_fsdp_param(8, 16, 1, shard=linear, param=linear), "per_tensor"))
@@ -306,7 +310,8 @@ def test_experts_stay_in_the_policy_dtype_where_not_served_named():
 
     from accel_fp8_fix.fixes.fp8_experts_gather import why_kept
 
-    assert "expert parallelism" in why_kept(SimpleNamespace(_is_expert_parallel=True), None, "per_tensor")
+    ep = SimpleNamespace(_is_expert_parallel=True)
+    assert "under expert parallelism or TP" in why_kept(ep, None, "block")  # per-tensor recipes serve them
 
     def experts(n, transposed=False):
         return SimpleNamespace(gate_up_proj=torch.zeros(n, 32, 16), down_proj=torch.zeros(n, 16, 16),
@@ -318,5 +323,6 @@ def test_experts_stay_in_the_policy_dtype_where_not_served_named():
                                fsdp_placement=SimpleNamespace(dim=0), _unsharded_param=None)
 
     assert why_kept(experts(4), fsdp(4, 2), "block") is None and why_kept(experts(6), fsdp(6, 4), "per_tensor") is None
+    assert why_kept(SimpleNamespace(**vars(experts(4)), _is_expert_parallel=True), fsdp(4, 2), "per_tensor") is None
     assert "6 experts over 4 shard ranks (uneven)" in why_kept(experts(6), fsdp(6, 4), "block")
     assert "GPT-OSS's layout" in why_kept(experts(4, transposed=True), fsdp(4, 2), "block")
