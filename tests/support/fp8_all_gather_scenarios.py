@@ -55,20 +55,17 @@ def _mse_of(dim, out=16, rows=GLOBAL_BATCH):
 def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     """(losses, clipped grad norms) of the same model in one process, whole batch, FP8 through TE. Without
     ``fp8_weights`` TE quantizes the high-precision weights in its GEMM (what the switch-off run computes); with it
-    each converted Linear's weight is quantized once per step with per-tensor current scaling of the whole weight
-    (TE's Float8Quantizer with the scale :func:`scales_from_amaxes` computes) and handed to TE as a Float8Tensor leaf
-    whose gradient goes to the master weight — the FP8 all-gather without the all-gather."""
+    every converted weight is quantized once per step as the FP8 all-gather does and handed to TE as a leaf whose
+    gradient goes to the master weight (:func:`_fp8_weight_leaves`) — the FP8 all-gather without the all-gather."""
     import torch
     import transformer_engine.pytorch as te
 
     from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
     from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
-    from accel_fp8_fix.internals import transformer_engine as te_internals
 
     model = build()
     convert_after_sharding(model, te, exclude=exclude)
-    linears = [m for m in model.modules() if isinstance(m, te.Linear)] if fp8_weights else []
     for module in model.modules():
         if hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True
@@ -77,21 +74,13 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
     for _ in range(steps):
-        masters = [m.weight for m in linears]
-        leaves = []
-        if masters:
-            scales = fp8_all_gather_fix.scales_from_amaxes(torch.stack([w.detach().abs().amax().float() for w in masters]), params)
-            for m, w, scale in zip(linears, masters, scales):
-                q = te_internals.float8_quantizer(scale.reshape(1).clone(), params.fp8_dtype)(w.detach())
-                q.requires_grad_(True)
-                m._parameters["weight"] = q
-                leaves.append(q)
+        leaves = _fp8_weight_leaves(model, params) if fp8_weights else []
         with te_autocast(te)(True, recipe, None):
             loss = loss_of(model)
         loss.backward()
-        for m, w, q in zip(linears, masters, leaves):
-            m._parameters["weight"] = w
-            w.grad = q.grad
+        for module, name, master, leaf in leaves:
+            module._parameters[name] = master
+            master.grad = leaf.grad
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
@@ -633,44 +622,10 @@ def _fp8_weight_leaves(model, params):
 
 
 def _moe_reference(family, recipe, steps, fp8_weights):
-    """One process, the whole batch: (losses, clipped grad norms), FP8 through TE; with ``fp8_weights`` every
-    converted weight quantized per step as the FP8 all-gather does (``_fp8_weight_leaves``)."""
-    import torch
-    import transformer_engine.pytorch as te
-
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
-
-    model = _moe_model(family)
-    convert_after_sharding(model, te)
-    for module in model.modules():
-        if hasattr(module, "fp8_meta"):
-            module._is_fsdp2 = True
-    te_recipe = _te_recipe(recipe)
-    params = fp8_all_gather_fix_scale_params(te_recipe)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data = _moe_batch()
-    losses, norms = [], []
-    for _ in range(steps):
-        leaves = _fp8_weight_leaves(model, params) if fp8_weights else []
-        with te_autocast(te)(True, te_recipe, None):
-            loss = model(**data).loss
-        loss.backward()
-        for module, name, master, leaf in leaves:
-            module._parameters[name] = master
-            master.grad = leaf.grad
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    _reset_te()
-    return losses, norms
-
-
-def fp8_all_gather_fix_scale_params(recipe):
-    from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
-
-    return fp8_all_gather_fix.scale_params(recipe)
+    """One process, the whole batch (every Linear converted, lm_head too, as FSDP2 alone converts it)."""
+    batch = _moe_batch()
+    return _reference(lambda: _moe_model(family), recipe, steps, lambda model: model(**batch).loss,
+                      fp8_weights=fp8_weights)
 
 
 def sc_moe(rank, world_size, all_gather="fp8", family="qwen3_moe_proportioned", policy="fp32", recipe="delayed",
@@ -815,22 +770,29 @@ class _ExpertBitsProbe:
 
     @staticmethod
     def _unsharded_local(param):
-        """(the high-precision tensor FSDP2 gathers for this rank — the sharded DTensor replicated over FSDP2's
-        shard dims (dim-0 ``Shard`` on data-parallel mesh dims), local part of every other dim —, the global
-        expert where it starts)."""
-        from torch.distributed.tensor import Replicate
+        """(the high-precision tensor FSDP2 gathers for this rank — this rank's local shard concatenated along
+        dim 0 over each mesh dim FSDP2 shards (a dim-0 ``Shard`` / ``_StridedShard`` on a data-parallel dim), as
+        FSDP2's all-gather does —, the global expert where it starts). Gathered with ``all_gather_object``
+        (``redistribute`` of a TP ``_StridedShard`` refuses on torch 2.11)."""
+        import torch
+        import torch.distributed as dist
 
         from accel_fp8_fix.fixes.tp_layout import DATA_PARALLEL_DIMS
         from accel_fp8_fix.internals import torch_internals
 
         if not hasattr(param, "device_mesh"):
             return param.detach(), 0
-        names = param.device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(param.device_mesh.ndim))
-        placements = [Replicate() if (name in DATA_PARALLEL_DIMS + ("efsdp", "dim0", "dim1") and p.is_shard()
-                                      or type(p).__name__ == "_StridedShard" and p.dim == 0) else p
-                      for name, p in zip(names, param.placements)]
-        unsharded = param.redistribute(param.device_mesh, placements)
-        return unsharded.to_local().detach(), torch_internals.global_row_offset(unsharded)
+        mesh = param.device_mesh
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        local, start = param.to_local().detach(), torch_internals.global_row_offset(param)
+        for i, (name, p) in enumerate(zip(names, param.placements)):
+            fsdp_dim = (name in DATA_PARALLEL_DIMS + ("efsdp", "dim0", "dim1") and p.is_shard() and p.dim == 0) or (
+                type(p).__name__ == "_StridedShard" and p.dim == 0)
+            if fsdp_dim and mesh.size(i) > 1:
+                parts = [None] * mesh.size(i)
+                dist.all_gather_object(parts, (local, start), group=mesh.get_group(i))
+                local, start = torch.cat([t for t, _ in parts]), parts[0][1]
+        return local, start
 
     def _check(self, n, mod):
         import torch
