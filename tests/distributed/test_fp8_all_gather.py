@@ -603,3 +603,19 @@ def test_moe_experts_are_gathered_tile_by_tile_under_block_scaling(moe2):
         assert f_on["losses"] == f_off["losses"] and f_on["grad_norms"] == f_off["grad_norms"]
         assert f_on["losses"] == pytest.approx(f_on["reference"], rel=1e-3)
         assert f_on["per_step"][-1]["all_gathered_bytes"] / f_off["per_step"][-1]["all_gathered_bytes"] < 0.32
+
+
+def test_one_rank_moe_experts_are_gathered_in_fp8(one_rank):
+    """FSDP2 over one rank (no all-gather: FSDP2 copies the first input): per-tensor experts with their E scales in
+    the metadata, block-scaled experts with their tile grids there, bit for bit every step."""
+    current = one_rank("fp8_all_gather_scenarios", "sc_moe", family="qwen3_moe", recipe="current", steps=2)
+    block = one_rank("fp8_all_gather_scenarios", "sc_moe", family="qwen3_moe_256", recipe="block", steps=2)
+    for f, reductions in ((current, 2), (block, 0)):
+        assert f["gathered_experts"] == EXPERT_WEIGHTS and f["kept"] == {}
+        assert f["expert_weight_types"] == ["Fp8Experts"] and f["amax_reductions"] == reductions
+        assert f["bits"] == {"compared": sorted(EXPERT_WEIGHTS), "steps": 2, "mismatched": []}
+        assert f["per_step"][-1]["all_gathered_bytes"] == 0  # one shard rank: FSDP2 gathers nothing
+        assert f["state_dict_types"] == ["Tensor"] and f["param_dtypes"] == ["torch.float32"]
+        assert f["eval_output_finite"]
+        assert f["losses"] == pytest.approx(f["reference"], rel=1e-3)
+    assert current["grad_norms"] == pytest.approx(current["reference_grad_norms"], rel=1e-2)

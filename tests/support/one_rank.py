@@ -34,6 +34,10 @@ def plan(folder: str) -> list:
         entry("fp8_all_gather_scenarios", "sc_train", **AG_BLOCK, all_gather="high_precision"),
         *[entry("fp8_all_gather_scenarios", "sc_train", all_gather=ag, model="linear_stack", steps=2, reference=False,
                 policy=policy) for ag, policy in (("fp8", "fp32"), ("high_precision", "fp32"), ("high_precision", "bf16"))],
+        # packed MoE experts gathered in FP8 over one shard rank (per-expert scales; block scaling's tile grids in
+        # the metadata: FSDP2's world-size-1 path copies only the first all-gather input)
+        entry("fp8_all_gather_scenarios", "sc_moe", family="qwen3_moe", recipe="current", steps=2),
+        entry("fp8_all_gather_scenarios", "sc_moe", family="qwen3_moe_256", recipe="block", steps=2),
         # a user's in-place edit between steps, and a write no version counter sees (then weights_changed())
         entry("fp8_all_gather_scenarios", "sc_train", all_gather="fp8", steps=3, reference=False, bits=True,
               modify="in_place"),
