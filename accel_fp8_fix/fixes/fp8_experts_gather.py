@@ -130,16 +130,12 @@ class _PerExpertFloat8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, experts, transposed):
-        ctx.transposed, ctx.shape, ctx.dtype = transposed, tuple(experts.shape), experts.dtype
+        ctx.transposed, ctx.dtype = transposed, experts.dtype
         return tuple(experts.expert(e, transposed) for e in range(experts.shape[0]))
 
     @staticmethod
-    def backward(ctx, *grads):
-        rows = ctx.shape[1:] if not ctx.transposed else (ctx.shape[2], ctx.shape[1])
-        ref = next((g for g in grads if g is not None), None)
-        device = ref.device if ref is not None else None
-        stacked = torch.stack([g.to(ctx.dtype) if g is not None else torch.zeros(rows, dtype=ctx.dtype, device=device)
-                               for g in grads])
+    def backward(ctx, *grads):  # autograd materialises an unused expert's gradient as zeros (never None)
+        stacked = torch.stack([g.to(ctx.dtype) for g in grads])
         return (stacked.transpose(1, 2).contiguous() if ctx.transposed else stacked), None
 
 
