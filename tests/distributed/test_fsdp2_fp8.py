@@ -20,6 +20,7 @@ PLAN_2 = [
     ("sc_optimizer_without_model", {}),
     ("sc_largest_allocation", {}),
     ("sc_fsdp2_fp8_train", {"steps": 2, "te_fsdp2_path": False}),  # mutation: TE's FSDP2 weight path off
+    ("sc_equal_across_ranks_probe", {}),
 ]
 PLAN_4 = [("sc_fsdp2_fp8_train", {"dp_replicate": 2, "dp_shard": 2, "steps": 4})]
 
@@ -32,6 +33,12 @@ def _facts(plan, world, name):
 @pytest.fixture(scope="module")
 def train2():
     return _facts(PLAN_2, 2, "sc_fsdp2_fp8_train")
+
+
+def test_the_fp8_state_comparison_across_ranks_tells_bits_dtypes_names_and_nan_apart():
+    """The helper behind every "FP8 state identical across ranks" assertion exchanges digests, not tensors."""
+    for f in _facts(PLAN_2, 2, "sc_equal_across_ranks_probe"):
+        assert f == {"equal": True, "one_ulp": False, "nan": False, "dtype": False, "extra_name": False}
 
 
 def test_conversion_happens_after_sharding_on_the_same_parameters(train2):
