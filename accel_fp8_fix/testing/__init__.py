@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import collective_order
+
 __all__ = ["run_distributed", "DistributedTestError", "free_port"]
 
 HOOK_PROBLEM = "inside FSDP2's all-gather extension hooks"  # collective_order.inside_extension_hooks's words
@@ -158,6 +160,8 @@ def _start_ranks(tmp: Path, world_size: int, env, rank_env) -> list:
             OMP_NUM_THREADS=rank_environ.get("OMP_NUM_THREADS", "1"),
             PYTHONUNBUFFERED="1",
         )
+        # the collective-order audit reads c10d's flight recorder (on from start-up) instead of seeing every op
+        rank_environ.setdefault(collective_order.FR_ENV, str(collective_order.FR_ENTRIES))
         log = open(tmp / f"rank{rank}.log", "w+")
         proc = subprocess.Popen([sys.executable, "-m", "accel_fp8_fix.testing._worker", str(tmp), str(rank)],
                                 env=rank_environ, stdout=log, stderr=subprocess.STDOUT)

@@ -2,8 +2,10 @@
 
 gloo completes runs in which ranks issue different collectives, in a different order or with different sizes,
 on the same process group; NCCL hangs on them (or corrupts data). This module records, on every rank, each
-collective as it reaches torch's dispatcher (``c10d::*`` ops — what the Python c10d API lowers to — and the
-functional ``_c10d_functional::*`` ops that FSDP2 and DTensor issue), then compares the ranks' sequences:
+collective — from c10d's flight recorder where it was on from start-up (:class:`FlightRecorderTrail`, no cost per
+op: ``run_distributed`` and ``RankPool`` turn it on), else as it reaches torch's dispatcher (:class:`CollectiveRecorder`:
+``c10d::*`` ops — what the Python c10d API lowers to — and the functional ``_c10d_functional::*`` ops that FSDP2
+and DTensor issue) — then compares the ranks' sequences:
 
 * per process group: every member rank must issue the same collectives (kind, dtype, element count) in the
   same order — else :func:`check` names the first divergent collective and the ranks;
@@ -249,6 +251,136 @@ class CollectiveRecorder(_recorder_base()):
         return func(*args, **kwargs)
 
 
+# -- the same records from c10d's flight recorder: no cost per op ------------------------------------------------
+
+FR_ENV = "TORCH_FR_BUFFER_SIZE"  # c10d's flight recorder: how many collectives it keeps (0: off, the default)
+# What run_distributed and RankPool give their ranks, from start-up (c10d reads the variable once). A read costs
+# ~80 us an entry kept (the dump symbolises every stack): 5x the suite's largest run (3,097 collectives, a 4-rank
+# model-zoo plan) bounds a pooled rank's read at ~1.3 s; a run that outgrows it fails naming the variable.
+FR_ENTRIES = 16384
+
+_FR_KINDS = {"all_reduce": "all_reduce", "sparse_all_reduce": "all_reduce", "broadcast": "broadcast",
+             "reduce": "reduce", "all_gather": "all_gather", "all_to_all": "all_to_all", "gather": "gather",
+             "scatter": "scatter", "barrier": "barrier", "reduce_scatter": "reduce_scatter"}
+_C10_DTYPES = {"Byte": "uint8", "Char": "int8", "Short": "int16", "Int": "int32", "Long": "int64", "Half": "float16",
+               "Float": "float32", "Double": "float64", "BFloat16": "bfloat16", "Bool": "bool",
+               "ComplexFloat": "complex64", "ComplexDouble": "complex128", "UInt16": "uint16", "UInt32": "uint32",
+               "UInt64": "uint64"}
+
+
+def flight_recorder_size() -> int:
+    """The flight recorder's capacity this process asked for (``TORCH_FR_BUFFER_SIZE``, or NCCL's older name)."""
+    for name in (FR_ENV, "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        try:
+            size = int(os.environ.get(name) or 0)
+        except ValueError:
+            size = 0
+        if size > 0:
+            return size
+    return 0
+
+
+def _dump_flight_recorder() -> list[dict]:
+    import pickle
+
+    import torch
+
+    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False)).get("entries", [])
+
+
+def _group_ranks() -> dict[str, tuple[int, ...]]:
+    """c10d's name -> global ranks of every process group alive now."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    return {name: tuple(sorted(c10d._world.pg_group_ranks.get(group, {}))) or tuple(range(dist.get_world_size()))
+            for group, name in list(c10d._world.pg_names.items())}
+
+
+class FlightRecorderTrail:
+    """The collectives this process issued from a point on, read from c10d's flight recorder instead of seen op by
+    op: the records of :class:`CollectiveRecorder` (kind, group, dtype, element count, the FSDP2 extension hook on
+    the stack) at none of its cost — a ``TorchDispatchMode`` puts every op of the run through Python (the test bed's
+    step time x1.7, docs/testing.md). Needs the recorder on from start-up (``TORCH_FR_BUFFER_SIZE`` > 0 before
+    torch starts: :func:`run_distributed` and ``RankPool`` set it). What differs from the dispatcher view, and how
+    it is mended: gloo runs ``reduce_scatter`` as an ``all_reduce`` of the whole input (named from the Python frames
+    of torch that issued it); the recorder keeps every thread's collectives (the dispatch mode: its own thread's);
+    the op is the backend's name (``gloo:all_reduce``); send / recv are left out, as there."""
+
+    def __init__(self):
+        self._records: list[Collective] = []
+        self._groups: dict[str, tuple[int, ...]] = {}
+        self._next_id = max((e["record_id"] for e in _dump_flight_recorder()), default=-1) + 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @property
+    def records(self) -> list[Collective]:
+        self._read()
+        return self._records
+
+    def remember_groups(self) -> None:
+        """Note the ranks of the groups alive now (before one is destroyed: its records still name its ranks)."""
+        self._groups.update(_group_ranks())
+
+    def _read(self) -> None:
+        entries = sorted((e for e in _dump_flight_recorder() if e["record_id"] >= self._next_id),
+                         key=lambda e: e["record_id"])
+        if not entries:
+            return
+        if entries[0]["record_id"] != self._next_id:
+            raise RuntimeError(
+                f"collective-order audit: the flight recorder dropped {entries[0]['record_id'] - self._next_id} "
+                f"collective(s) before they were read ({FR_ENV}={flight_recorder_size()} is too small for this run)")
+        self.remember_groups()
+        self._next_id = entries[-1]["record_id"] + 1
+        self._records.extend(filter(None, map(self._collective, entries)))
+
+    def _collective(self, entry: dict) -> Collective | None:
+        backend_name = entry["profiling_name"]
+        kind = _FR_KINDS.get(backend_name.partition(":")[2])
+        if kind is None or entry.get("is_p2p"):
+            return None
+        frames = entry.get("frames") or []
+        if kind == "all_reduce" and _issued_as_reduce_scatter(frames):
+            kind = "reduce_scatter"
+        sizes, dtypes = ((entry.get("output_sizes"), entry.get("output_dtypes")) if kind == "scatter"
+                         else (entry.get("input_sizes"), entry.get("input_dtypes")))
+        counted = kind not in ("all_to_all", "barrier") and bool(sizes)
+        numel = sum(_product(s) for s in sizes) if counted else None
+        dtype = _C10_DTYPES.get(dtypes[0], dtypes[0].lower()) if counted and dtypes else None
+        name = str(entry["process_group"][0])
+        inside = next((f["name"] for f in frames if f.get("name") in EXTENSION_HOOKS), "")
+        return Collective(kind=kind, op=backend_name, group=self._groups.get(name, ()), dtype=dtype, numel=numel,
+                          group_name=name, inside=inside)
+
+
+def _product(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= int(n)
+    return out
+
+
+def _issued_as_reduce_scatter(frames: list) -> bool:
+    """Did torch issue this (gloo) all-reduce as a reduce-scatter? The innermost frame named after one of the two
+    (c10d's ``reduce_scatter_tensor`` / ``reduce_scatter_single``, the functional ``reduce_scatter_tensor``; c10d's
+    and the functional ``all_reduce``) decides; frames of modes or wrappers in between are passed over."""
+    for frame in frames[:64]:
+        name = frame.get("name", "")
+        if "reduce_scatter" in name:
+            return True
+        if name.startswith(("all_reduce", "allreduce", "_all_reduce")):
+            return False
+    return False
+
+
 def _skip_own_frame() -> None:
     """Dynamo never compiles the recorder's ``__torch_dispatch__`` frame; what it calls for a collective runs with
     dynamo off (``_describe_outside_dynamo``); the op itself runs as it would without the recorder."""
@@ -409,7 +541,7 @@ def _start_recording() -> None:
     with _install_lock:
         if _installed["recorder"] is not None or _installed["dir"] is None:
             return  # recording already, or stopped (a pooled rank between runs)
-        recorder = CollectiveRecorder()
+        recorder = FlightRecorderTrail() if _flight_recorder_on() else CollectiveRecorder()
         recorder.__enter__()
         _installed["recorder"] = recorder
     _installed["path"] = Path(_installed["dir"]) / _run_id() / f"rank{dist.get_rank()}.json"
@@ -417,6 +549,16 @@ def _start_recording() -> None:
     if not _installed.get("atexit"):
         _installed["atexit"] = True
         atexit.register(lambda: write_now(failed=_exiting_on_exception()))
+
+
+def _flight_recorder_on() -> bool:
+    """Record from the flight recorder when it was asked for before torch started (the variable is read once, when
+    c10d first records; a process that set it later records with the dispatch mode)."""
+    if not flight_recorder_size() or _installed.get("fr_env_at_import") is False:
+        return False
+    import torch
+
+    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
 
 
 def stop() -> None:
@@ -437,8 +579,9 @@ def write_now(failed: bool = False) -> None:
 
 
 def install_hook() -> None:
-    """Wrap ``init_process_group`` now, recording nothing until :func:`install` names a folder (pooled ranks: the
-    wrapper is part of their start-up state, each run's folder comes with the run)."""
+    """Wrap ``init_process_group`` (and ``destroy_process_group``: the flight-recorder trail notes the ranks of the
+    groups it ends) now, recording nothing until :func:`install` names a folder (pooled ranks: the wrappers are part
+    of their start-up state, each run's folder comes with the run)."""
     import torch.distributed
 
     _wrap_init(torch.distributed)
@@ -452,6 +595,11 @@ def install(directory=None) -> None:
     if not directory:
         raise ValueError(f"collective_order.install(): no folder given and {ENV_DIR} is not set")
     _installed["dir"] = str(directory)
+    if not flight_recorder_size():
+        if "torch" in sys.modules:
+            _installed["fr_env_at_import"] = False  # too late to turn the flight recorder on: the dispatch mode
+        else:
+            os.environ[FR_ENV] = str(FR_ENTRIES)  # before torch starts: every op free of the dispatch mode
     if "torch.distributed" in sys.modules:
         _wrap_init(sys.modules["torch.distributed"])
     else:
@@ -473,11 +621,18 @@ def _wrap_init(dist_module) -> None:
         _start_recording()
         return result
 
+    def before_destroy(wrapped, instance, args, kwargs):
+        recorder = _installed["recorder"]
+        if isinstance(recorder, FlightRecorderTrail):
+            recorder.remember_groups()  # its records name the group's ranks after the group is gone
+        return wrapped(*args, **kwargs)
+
     for module in (c10d, dist_module):
-        if not getattr(module.init_process_group, "_self_accel_fp8_fix_audit", False):
-            wrapper = wrapt.FunctionWrapper(module.init_process_group, after_init)
-            wrapper._self_accel_fp8_fix_audit = True
-            module.init_process_group = wrapper
+        for name, hook in (("init_process_group", after_init), ("destroy_process_group", before_destroy)):
+            if not getattr(getattr(module, name), "_self_accel_fp8_fix_audit", False):
+                wrapper = wrapt.FunctionWrapper(getattr(module, name), hook)
+                wrapper._self_accel_fp8_fix_audit = True
+                setattr(module, name, wrapper)
 
 
 def main(argv=None) -> int:

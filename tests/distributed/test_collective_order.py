@@ -93,6 +93,73 @@ def _records(rank, world_size, layout):
     return [(r.kind, r.group, r.dtype, r.numel) for r in recorder.records[before:]]
 
 
+def _both_views(rank, world_size):
+    """The same window of collectives as the audit's flight-recorder trail and the dispatch-mode recorder see it:
+    c10d's Python API (a subgroup, bf16, a reduce-scatter gloo runs as an all-reduce, objects), DTensor's
+    redistributions (functional collectives; distribute_tensor scatters), an all-to-all, FSDP2's forward and backward."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from accel_fp8_fix.testing import collective_order
+
+    trail = collective_order._installed["recorder"]
+    mesh = init_device_mesh("cpu", (world_size,))
+    pair = dist.new_group([0, 1])
+    before = len(trail.records)
+    with collective_order.CollectiveRecorder() as dispatch:
+        dist.all_reduce(torch.ones(5))
+        dist.all_gather_into_tensor(torch.empty(6, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16), group=pair)
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world_size))
+        dist.broadcast(torch.ones(4, dtype=torch.int64), src=0)
+        dist.all_gather_object([None] * world_size, {"rank": rank})
+        dist.all_to_all_single(torch.empty(world_size), torch.ones(world_size))
+        d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        d.redistribute(mesh, [Replicate()])
+        p = DTensor.from_local(torch.ones(4, 2), mesh, [Partial()])
+        p.redistribute(mesh, [Shard(0)])
+        p.redistribute(mesh, [Replicate()])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model(torch.ones(3, 6)).sum().backward()
+        dist.barrier()
+    seen = {"trail": type(trail).__name__, "flight_recorder": [r.key() + (r.inside,) for r in trail.records[before:]],
+            "dispatch": [r.key() + (r.inside,) for r in dispatch.records]}
+    dist.destroy_process_group(pair)
+    return seen
+
+
+def test_the_flight_recorder_trail_records_what_the_dispatch_mode_records():
+    """The audit reads c10d's flight recorder (no per-op cost); over the same collectives it must record exactly
+    what the dispatch-mode recorder records — kind, group, name, dtype, count, in program order."""
+    for seen in launcher.run(_both_views, 2, timeout=90):
+        assert seen["trail"] == "FlightRecorderTrail"
+        assert seen["flight_recorder"] == seen["dispatch"], (seen["flight_recorder"], seen["dispatch"])
+        kinds = {key[0] for key in seen["dispatch"]}
+        assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "scatter", "all_to_all", "barrier"}, kinds
+
+
+def _many_all_reduces(rank, world_size, count):
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(count):
+        dist.all_reduce(torch.ones(2))
+    return True
+
+
+def test_a_run_that_outgrows_the_flight_recorder_fails_naming_its_variable():
+    """Collectives the flight recorder dropped before the audit read them are never passed over in silence."""
+    with pytest.raises(DistributedTestError, match=r"the flight recorder dropped \d+ collective\(s\) before they were "
+                                                   r"read \(TORCH_FR_BUFFER_SIZE=8 is too small for this run\)"):
+        launcher.run(_many_all_reduces, 2, args=(20,), env={"TORCH_FR_BUFFER_SIZE": "8"}, timeout=60)
+
+
 def test_a_dtype_mismatch_gloo_completes_fails_the_run_naming_the_collective_and_ranks():
     # gloo alone: the run "passes", rank 1 holding garbage
     assert launcher.run(_planted, 2, args=("dtype",), timeout=60, audit_collectives=False) == ["torch.float32",
@@ -101,8 +168,8 @@ def test_a_dtype_mismatch_gloo_completes_fails_the_run_naming_the_collective_and
         launcher.run(_planted, 2, args=("dtype",), timeout=60)
     text = str(info.value)
     assert "the ranks' collectives diverge (gloo completed the run; NCCL would hang or corrupt it)" in text
-    assert ("group [0, 1]: collective #0 differs between ranks 0 and 1: rank 0 issued all_reduce (c10d.allreduce_) "
-            "float32 numel=4 on group [0, 1]; rank 1 issued all_reduce (c10d.allreduce_) int32 numel=4") in text
+    assert ("group [0, 1]: collective #0 differs between ranks 0 and 1: rank 0 issued all_reduce (gloo:all_reduce) "
+            "float32 numel=4 on group [0, 1]; rank 1 issued all_reduce (gloo:all_reduce) int32 numel=4") in text
 
 
 def test_two_groups_in_opposite_orders_fail_the_run_though_each_group_agrees():
@@ -117,8 +184,8 @@ def test_a_hang_reports_the_divergence_that_caused_it():
         launcher.run(_planted, 2, args=("kind",), timeout=8)  # pooled: the deadline is the hang's, not a start-up's
     text = str(info.value)
     assert "timed out after 8s" in text
-    assert ("collective #1 differs between ranks 0 and 1: rank 0 issued all_reduce (c10d.allreduce_) float32 numel=4"
-            " on group [0, 1]; rank 1 issued broadcast (c10d.broadcast_) float32 numel=4") in text
+    assert ("collective #1 differs between ranks 0 and 1: rank 0 issued all_reduce (gloo:all_reduce) float32 numel=4"
+            " on group [0, 1]; rank 1 issued broadcast (gloo:broadcast) float32 numel=4") in text
 
 
 def test_a_collective_inside_fsdp2s_all_gather_extension_hook_fails_the_run_by_name():
@@ -128,7 +195,7 @@ def test_a_collective_inside_fsdp2s_all_gather_extension_hook_fails_the_run_by_n
     assert "collectives were issued inside FSDP2's all-gather extension hooks (gloo completed the run" in text
     for rank in (0, 1):
         assert (f"rank {rank} issued 1 collective(s) inside FSDP2's all-gather extension hooks, the first all_reduce "
-                "(c10d.allreduce_) float32 numel=3 on group [0, 1] inside fsdp_pre_all_gather") in text
+                "(gloo:all_reduce) float32 numel=3 on group [0, 1] inside fsdp_pre_all_gather") in text
     assert info.value.results is not None and len(info.value.results) == 2  # it completed: only the audit objects
 
 

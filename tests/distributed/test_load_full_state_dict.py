@@ -306,8 +306,8 @@ def test_a6_tp_sharded_params_at_load():
     # not: the collective-order audit names it (the first divergence of the group; the fixed path that runs
     # after it in this launch is audited on its own in the 2-D tests below)
     assert info.value.divergences == [
-        "group [0, 1]: collective #4 differs between ranks 0 and 1: rank 0 issued broadcast (c10d.broadcast_) float32 "
-        "numel=64 on group [0, 1]; rank 1 issued broadcast (c10d.broadcast_) float32 numel=128 on group [0, 1]"]
+        "group [0, 1]: collective #4 differs between ranks 0 and 1: rank 0 issued broadcast (gloo:broadcast) float32 "
+        "numel=64 on group [0, 1]; rank 1 issued broadcast (gloo:broadcast) float32 numel=128 on group [0, 1]"]
     out = info.value.results
     # rank 0 fails in load_state_dict, the others load whatever arrived (silently wrong values), or fail
     assert out[0]["stock"] and "size mismatch" in out[0]["stock"], out[0]["stock"]
