@@ -254,6 +254,7 @@ class CollectiveRecorder(_recorder_base()):
 # -- the same records from c10d's flight recorder: no cost per op ------------------------------------------------
 
 FR_ENV = "TORCH_FR_BUFFER_SIZE"  # c10d's flight recorder: how many collectives it keeps (0: off, the default)
+FR_SINCE = (2, 11)  # the oldest torch whose gloo records into it that the suite checks (test_collective_order.py)
 # What run_distributed and RankPool give their ranks, from start-up (c10d reads the variable once). A read costs
 # ~80 us an entry kept (the dump symbolises every stack): 5x the suite's largest run (3,097 collectives, a 4-rank
 # model-zoo plan) bounds a pooled rank's read at ~1.3 s; a run that outgrows it fails naming the variable.
@@ -328,6 +329,16 @@ class FlightRecorderTrail:
     def remember_groups(self) -> None:
         """Note the ranks of the groups alive now (before one is destroyed: its records still name its ranks)."""
         self._groups.update(_group_ranks())
+
+    def groups_ending(self, every_group: bool) -> None:
+        """Before ``destroy_process_group``: one group's ranks are noted; when every group ends, what was recorded
+        so far is read now, under the names it was issued with — c10d numbers the groups of the next
+        ``init_process_group`` from 0 again."""
+        if every_group:
+            self._read()
+            self._groups.clear()
+        else:
+            self.remember_groups()
 
     def _read(self) -> None:
         entries = sorted((e for e in _dump_flight_recorder() if e["record_id"] >= self._next_id),
@@ -557,8 +568,10 @@ def _flight_recorder_on() -> bool:
     if not flight_recorder_size() or _installed.get("fr_env_at_import") is False:
         return False
     import torch
+    from packaging.version import Version
 
-    return hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
+    # gloo records into the flight recorder on the torch releases this is tested on (2.11-2.15; older: unchecked)
+    return (Version(torch.__version__).release >= FR_SINCE and hasattr(torch._C._distributed_c10d, "_dump_fr_trace"))
 
 
 def stop() -> None:
@@ -624,7 +637,8 @@ def _wrap_init(dist_module) -> None:
     def before_destroy(wrapped, instance, args, kwargs):
         recorder = _installed["recorder"]
         if isinstance(recorder, FlightRecorderTrail):
-            recorder.remember_groups()  # its records name the group's ranks after the group is gone
+            group = args[0] if args else kwargs.get("group")
+            recorder.groups_ending(every_group=group is None or group is c10d.GroupMember.WORLD)
         return wrapped(*args, **kwargs)
 
     for module in (c10d, dist_module):

@@ -144,6 +144,39 @@ def test_the_flight_recorder_trail_records_what_the_dispatch_mode_records():
         assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "scatter", "all_to_all", "barrier"}, kinds
 
 
+def _group_names_reused(rank, world_size):
+    """Two incarnations of the default group in one run (as fresh runs of several scenarios have): c10d numbers the
+    second one's groups from 0 again, so one name means ranks [0, 1] first and [1, 2] after."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from accel_fp8_fix.testing import free_port
+
+    first = dist.new_group([0, 1])
+    if rank in (0, 1):
+        dist.all_reduce(torch.ones(2), group=first)
+    names = [first.group_name if rank in (0, 1) else None]
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    second = dist.new_group([1, 2])
+    if rank in (1, 2):
+        dist.all_reduce(torch.ones(3), group=second)
+        names.append(second.group_name)
+    return names
+
+
+def test_group_names_c10d_reuses_after_a_new_default_group_keep_their_own_ranks():
+    names = launcher.run(_group_names_reused, 3, timeout=90)  # the audit passes: each record kept its group's ranks
+    assert names[1][0] == names[1][1], names  # the same name, two groups: what the audit must tell apart
+
+
 def _many_all_reduces(rank, world_size, count):
     import torch
     import torch.distributed as dist
