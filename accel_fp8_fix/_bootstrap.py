@@ -17,6 +17,16 @@ import accel_fp8_fix
 from accel_fp8_fix import settings
 from accel_fp8_fix._api import env_flag
 
+if settings.get("ACCEL_FP8_FIX_COLLECTIVE_AUDIT"):  # a folder; 0 / off / empty: not recording
+    # Record this process's collectives (from init_process_group on) for the cross-rank order check, from c10d's
+    # flight recorder: turned on now, before anything can make a process group (torch reads the variable once).
+    import os
+
+    os.environ.setdefault(settings.FLIGHT_RECORDER, str(settings.FLIGHT_RECORDER_ENTRIES))
+    from accel_fp8_fix.testing import collective_order
+
+    collective_order.install()
+
 if env_flag(settings.REHEARSAL):
     try:
         from accel_fp8_fix import rehearsal
@@ -31,12 +41,6 @@ if env_flag(settings.REHEARSAL):
             rehearsal.install()
         except Exception as exc:  # noqa: BLE001  (the .pth would misreport the fixes as not activated)
             sys.stderr.write(f"accel_fp8_fix: CPU rehearsal not installed: {type(exc).__name__}: {exc}\n")
-
-if settings.get("ACCEL_FP8_FIX_COLLECTIVE_AUDIT"):  # a folder; 0 / off / empty: not recording
-    # Record this process's collectives (from init_process_group on) for the cross-rank order check.
-    from accel_fp8_fix.testing import collective_order
-
-    collective_order.install()
 
 # No activation flag (rehearsal or audit only): the user's own `import accel_fp8_fix` must still activate.
 HAND_BACK = not accel_fp8_fix._api.activation_requested()

@@ -153,6 +153,11 @@ REHEARSAL = "ACCEL_FP8_FIX_REHEARSAL"
 # its own distribution, built from a checkout of this repository; it brings Transformer Engine's pure-Python wheel.
 REHEARSAL_INSTALL = "pip install ./packaging/rehearsal"
 DEPRECATED = {"ACCEL_FP8_FIX_EMULATE_TE": REHEARSAL}  # old name -> new name: read when the new one is unset
+# torch's own variable: how many collectives c10d's flight recorder keeps (read once, when the first process group
+# is made). The collective-order audit reads its records there (accel_fp8_fix.testing.collective_order), so the ranks
+# the test bed starts and the start-up hook under ACCEL_FP8_FIX_COLLECTIVE_AUDIT set it before torch does.
+FLIGHT_RECORDER = "TORCH_FR_BUFFER_SIZE"
+FLIGHT_RECORDER_ENTRIES = 16384
 _warned: set = set()
 
 REGISTRY: dict = {s.name: s for s in (

@@ -1,13 +1,17 @@
-"""What the test bed itself adds to an FP8 training step on CPU: the collective-order audit's recorder, on vs off.
+"""What the test bed itself adds to an FP8 training step on CPU: the collective-order audit's two recorders, on vs off.
 
 Every launch of the suite runs its scenarios under the rehearsal (TE's Python over the CPU kernel shim) with the
-collective-order recorder (a ``TorchDispatchMode`` that sees every op of the run, ``accel_fp8_fix.testing.
-collective_order``). Their per-op costs, not arithmetic, set the suite's time: the models are tiny. This measures
-a one-process training step of a tiny transformers Llama converted to TE, FP8 delayed scaling, INTERLEAVED in one
-run (off, on, off, on, ...; the order flips each round): the median step time with the recorder off and on, and
-their ratio; then, under cProfile, the self time of the rehearsal's kernel shim and of the recorder over a step.
+collective-order audit (``accel_fp8_fix.testing.collective_order``). Its per-op costs, not arithmetic, set the
+suite's time: the models are tiny. This measures a one-process training step of a tiny transformers Llama converted
+to TE, FP8 delayed scaling, with a data-parallel gradient all-reduce per parameter on a one-rank gloo group (so
+that there are collectives to record), INTERLEAVED in one run (the order turns each round): the median step time
+with no recorder, with the dispatch-mode recorder (``CollectiveRecorder``: every op through Python) and with the
+flight-recorder trail the suite's ranks use (``FlightRecorderTrail``: c10d records, the trail reads at the end of
+the round), and their ratios; then, under cProfile, the self time of the kernel shim and of the dispatch recorder.
+c10d's flight recorder is on for the whole process (torch reads its variable once), so its own cost per collective
+is in all three figures; what the trail adds is its two reads a round (where it starts, what it recorded).
 
-Run: ``flock /tmp/accel_fp8_fix.mp.lock python benchmarks/test_bed_cost.py [--rounds 12 --steps 5]`` (~30 s on 2
+Run: ``flock /tmp/accel_fp8_fix.mp.lock python benchmarks/test_bed_cost.py [--rounds 12 --steps 5]`` (~40 s on 2
 cores). Not a timed test: figures for docs/testing.md, "What a step costs the test bed".
 """
 
@@ -32,9 +36,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per round and setting")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from accel_fp8_fix.testing import collective_order
+
+    os.environ.setdefault(collective_order.FR_ENV, str(collective_order.FR_ENTRIES))  # before torch starts
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)
+    import tempfile
+
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     from support import scenarios, zoo_scenarios
@@ -45,7 +55,10 @@ def main() -> None:
     from accel_fp8_fix.fixes.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
-    from accel_fp8_fix.testing.collective_order import CollectiveRecorder
+    from accel_fp8_fix.testing.collective_order import CollectiveRecorder, FlightRecorderTrail
+
+    store = tempfile.NamedTemporaryFile(delete=False)
+    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
 
     model = zoo_scenarios.build("llama")
     recipe = zoo_scenarios._recipe()
@@ -54,25 +67,42 @@ def main() -> None:
 
     def steps(setting) -> float:
         started = time.perf_counter()
-        for _ in range(args.steps):
-            with setting():
+        with setting():  # one recording a round, read at its end (the audit: one a run)
+            for _ in range(args.steps):
                 with te_autocast(te)(True, recipe, None):
                     loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
+                for p in model.parameters():  # data parallel without buckets: a collective per parameter
+                    dist.all_reduce(p.grad)
         return (time.perf_counter() - started) / args.steps
 
-    settings = {"recorder off": contextlib.nullcontext, "recorder on": CollectiveRecorder}
+    reads: list = []
+
+    @contextlib.contextmanager
+    def trail():
+        recorder = FlightRecorderTrail()
+        yield recorder
+        started = time.perf_counter()
+        assert len(recorder.records) == args.steps * len(list(model.parameters()))  # read, as the audit does
+        reads.append(time.perf_counter() - started)
+
+    settings = {"recorder off": contextlib.nullcontext, "dispatch recorder": CollectiveRecorder,
+                "flight recorder": trail}
     steps(contextlib.nullcontext)  # warm
     times = {name: [] for name in settings}
     for round_ in range(args.rounds):
         for name in (list(settings) if round_ % 2 == 0 else list(settings)[::-1]):
             times[name].append(steps(settings[name]))
     median = {name: statistics.median(t) for name, t in times.items()}
-    print(f"torch {torch.__version__}; tiny Llama (2 layers, hidden 64, 4 x 32 tokens), FP8 delayed scaling, "
-          f"{args.rounds} rounds x {args.steps} steps, interleaved")
+    print(f"torch {torch.__version__}; tiny Llama (2 layers, hidden 64, 4 x 32 tokens), FP8 delayed scaling, a "
+          f"gradient all-reduce per parameter (one-rank gloo); {args.rounds} rounds x {args.steps} steps, interleaved")
     for name, value in median.items():
-        print(f"  {name:13s} {value * 1e3:7.1f} ms a step (median)")
-    print(f"  on / off      {median['recorder on'] / median['recorder off']:7.2f}")
+        print(f"  {name:17s} {value * 1e3:7.1f} ms a step (median)")
+    for name in ("dispatch recorder", "flight recorder"):
+        print(f"  {name} / off  {median[name] / median['recorder off']:7.2f}")
+    print(f"  the flight recorder's read at a round's end (in its figure): {statistics.median(reads) * 1e3:.1f} ms "
+          f"median, the buffer holding up to {(3 * args.rounds + 1) * args.steps * len(list(model.parameters()))} "
+          f"entries; {len(list(model.parameters()))} collectives a step")
 
     profile = cProfile.Profile()
     profile.enable()
@@ -84,7 +114,10 @@ def main() -> None:
               "the recorder (testing/collective_order.py)": "/testing/collective_order.py"}
     for label, part in shares.items():
         own = sum(row[2] for (path, _, _), row in stats.items() if part in path)
-        print(f"  self time of {label}: {100 * own / total:.1f} % of a step under the recorder")
+        print(f"  self time of {label}: {100 * own / total:.1f} % of a step under the dispatch recorder")
+    dist.destroy_process_group()
+    if os.path.exists(store.name):  # the file store removes its file when the group ends
+        os.unlink(store.name)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 gloo completes runs in which ranks issue different collectives, in a different order or with different sizes,
 on the same process group; NCCL hangs on them (or corrupts data). This module records, on every rank, each
 collective — from c10d's flight recorder where it was on from start-up (:class:`FlightRecorderTrail`, no cost per
-op: ``run_distributed`` and ``RankPool`` turn it on), else as it reaches torch's dispatcher (:class:`CollectiveRecorder`:
-``c10d::*`` ops — what the Python c10d API lowers to — and the functional ``_c10d_functional::*`` ops that FSDP2
-and DTensor issue) — then compares the ranks' sequences:
+op: ``run_distributed`` and ``RankPool`` turn it on), else as it reaches torch's dispatcher
+(:class:`CollectiveRecorder`: ``c10d::*`` ops — what the Python c10d API lowers to — and the functional
+``_c10d_functional::*`` ops that FSDP2 and DTensor issue) — then compares the ranks' sequences:
 
 * per process group: every member rank must issue the same collectives (kind, dtype, element count) in the
   same order — else :func:`check` names the first divergent collective and the ranks;
@@ -47,6 +47,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from itertools import combinations
 from pathlib import Path
+
+from .. import settings
 
 ENV_DIR = "ACCEL_FP8_FIX_COLLECTIVE_AUDIT"
 
@@ -253,12 +255,12 @@ class CollectiveRecorder(_recorder_base()):
 
 # -- the same records from c10d's flight recorder: no cost per op ------------------------------------------------
 
-FR_ENV = "TORCH_FR_BUFFER_SIZE"  # c10d's flight recorder: how many collectives it keeps (0: off, the default)
+FR_ENV = settings.FLIGHT_RECORDER  # c10d's flight recorder: how many collectives it keeps (0: off, the default)
 FR_SINCE = (2, 11)  # the oldest torch whose gloo records into it that the suite checks (test_collective_order.py)
 # What run_distributed and RankPool give their ranks, from start-up (c10d reads the variable once). A read costs
 # ~80 us an entry kept (the dump symbolises every stack): 5x the suite's largest run (3,097 collectives, a 4-rank
 # model-zoo plan) bounds a pooled rank's read at ~1.3 s; a run that outgrows it fails naming the variable.
-FR_ENTRIES = 16384
+FR_ENTRIES = settings.FLIGHT_RECORDER_ENTRIES
 
 _FR_KINDS = {"all_reduce": "all_reduce", "sparse_all_reduce": "all_reduce", "broadcast": "broadcast",
              "reduce": "reduce", "all_gather": "all_gather", "all_to_all": "all_to_all", "gather": "gather",
@@ -281,12 +283,12 @@ def flight_recorder_size() -> int:
     return 0
 
 
-def _dump_flight_recorder() -> list[dict]:
+def _dump_flight_recorder(stacks: bool = True) -> list[dict]:
     import pickle
 
     import torch
 
-    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False)).get("entries", [])
+    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, stacks, False)).get("entries", [])
 
 
 def _group_ranks() -> dict[str, tuple[int, ...]]:
@@ -313,7 +315,8 @@ class FlightRecorderTrail:
     def __init__(self):
         self._records: list[Collective] = []
         self._groups: dict[str, tuple[int, ...]] = {}
-        self._next_id = max((e["record_id"] for e in _dump_flight_recorder()), default=-1) + 1
+        # entries before now belong to earlier runs (no stacks: a third of the cost of a full read)
+        self._next_id = max((e["record_id"] for e in _dump_flight_recorder(stacks=False)), default=-1) + 1
 
     def __enter__(self):
         return self
@@ -502,7 +505,7 @@ def _run_id() -> str:
 
 def dump(recorder: CollectiveRecorder, path: Path, rank: int, world_size: int, failed: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"rank": rank, "world_size": world_size, "failed": failed,
+    payload = {"rank": rank, "world_size": world_size, "failed": failed, "recorder": type(recorder).__name__,
                "records": [asdict(r) for r in recorder.records]}
     path.write_text(json.dumps(payload))
 
@@ -514,13 +517,16 @@ def _read(path: Path) -> tuple[dict, list[Collective]]:
 
 
 def load_dir(directory) -> dict[str, dict]:
-    """``{run id: {"world_size", "failed", "sequences": {rank: [Collective]}}}`` from a recording folder."""
+    """``{run id: {"world_size", "failed", "sequences": {rank: [Collective]}, "recorders": {rank: class name}}}`` from a
+    recording folder."""
     runs: dict[str, dict] = {}
     for path in sorted(Path(directory).glob("run-*/rank*.json")):
         data, records = _read(path)
-        run = runs.setdefault(path.parent.name, {"world_size": data["world_size"], "failed": False, "sequences": {}})
+        run = runs.setdefault(path.parent.name, {"world_size": data["world_size"], "failed": False, "sequences": {},
+                                                 "recorders": {}})
         run["failed"] = run["failed"] or data["failed"]
         run["sequences"][data["rank"]] = records
+        run["recorders"][data["rank"]] = data.get("recorder", "CollectiveRecorder")
     return runs
 
 
@@ -563,8 +569,8 @@ def _start_recording() -> None:
 
 
 def _flight_recorder_on() -> bool:
-    """Record from the flight recorder when it was asked for before torch started (the variable is read once, when
-    c10d first records; a process that set it later records with the dispatch mode)."""
+    """Record from the flight recorder when it was asked for before :func:`install` (torch reads the variable once,
+    at the first process group; the start-up hook and the test bed's ranks set it first); else the dispatch mode."""
     if not flight_recorder_size() or _installed.get("fr_env_at_import") is False:
         return False
     import torch
@@ -609,10 +615,9 @@ def install(directory=None) -> None:
         raise ValueError(f"collective_order.install(): no folder given and {ENV_DIR} is not set")
     _installed["dir"] = str(directory)
     if not flight_recorder_size():
-        if "torch" in sys.modules:
-            _installed["fr_env_at_import"] = False  # too late to turn the flight recorder on: the dispatch mode
-        else:
-            os.environ[FR_ENV] = str(FR_ENTRIES)  # before torch starts: every op free of the dispatch mode
+        # the flight recorder was not asked for before this process could have made a process group (the start-up
+        # hook and the test bed's ranks ask first): record with the dispatch mode
+        _installed["fr_env_at_import"] = False
     if "torch.distributed" in sys.modules:
         _wrap_init(sys.modules["torch.distributed"])
     else:

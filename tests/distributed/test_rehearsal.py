@@ -329,6 +329,8 @@ def test_accelerate_launch_fsdp_config_on_cpu(tmp_path):
     assert len(seen) == 2, seen
     (run,) = proc.collective_runs.values()  # both ranks recorded (and agreed) from init_process_group on
     assert sorted(run["sequences"]) == [0, 1] and all(run["sequences"].values())
+    # the start-up hook turned c10d's flight recorder on before the rehearsal imported torch: read from it
+    assert run["recorders"] == {0: "FlightRecorderTrail", 1: "FlightRecorderTrail"}
     line = "accel_fp8_fix rehearsal: no CUDA device; FSDP2 plugin + ParallelismConfig(dp_shard_size=2) requested"
     assert proc.stderr.count(line) == 1, proc.stderr[-3000:]  # one voice: rank 0 says it once for the job
     for rank, f in enumerate(seen):
