@@ -8,7 +8,7 @@
 #     recorder), which a new torch moves first.
 # The whole window (every file, every minor) runs with `python scripts/version_matrix.py 2.11 2.12 2.13 2.14 2.15` at each stop
 # (docs/compatibility.md). Measured on the 2-core machine (2026-12-02): ~1 min to build a venv with a warm pip
-# cache; 2.11 ~14 min, 2.15's six files ~3 min (figures per CI run: docs/compatibility.md "CI").
+# cache; 2.11 ~13 min, 2.15's seven files ~3 min (figures per CI run: docs/compatibility.md "CI").
 # ACCEL_FP8_FIX_CI_TORCH="2.15" (or any list) runs all of tests/distributed on those releases instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."

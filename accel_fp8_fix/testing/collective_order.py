@@ -315,6 +315,7 @@ class FlightRecorderTrail:
     def __init__(self):
         self._records: list[Collective] = []
         self._groups: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()  # a hung run's watchdog writes the audit from its own thread
         # entries before now belong to earlier runs (no stacks: a third of the cost of a full read)
         self._next_id = max((e["record_id"] for e in _dump_flight_recorder(stacks=False)), default=-1) + 1
 
@@ -344,6 +345,10 @@ class FlightRecorderTrail:
             self.remember_groups()
 
     def _read(self) -> None:
+        with self._lock:
+            self._read_locked()
+
+    def _read_locked(self) -> None:
         entries = sorted((e for e in _dump_flight_recorder() if e["record_id"] >= self._next_id),
                          key=lambda e: e["record_id"])
         if not entries:
@@ -571,7 +576,7 @@ def _start_recording() -> None:
 def _flight_recorder_on() -> bool:
     """Record from the flight recorder when it was asked for before :func:`install` (torch reads the variable once,
     at the first process group; the start-up hook and the test bed's ranks set it first); else the dispatch mode."""
-    if not flight_recorder_size() or _installed.get("fr_env_at_import") is False:
+    if not flight_recorder_size() or _installed.get("flight_recorder_asked") is False:
         return False
     import torch
     from packaging.version import Version
@@ -617,7 +622,7 @@ def install(directory=None) -> None:
     if not flight_recorder_size():
         # the flight recorder was not asked for before this process could have made a process group (the start-up
         # hook and the test bed's ranks ask first): record with the dispatch mode
-        _installed["fr_env_at_import"] = False
+        _installed["flight_recorder_asked"] = False
     if "torch.distributed" in sys.modules:
         _wrap_init(sys.modules["torch.distributed"])
     else:
@@ -641,9 +646,14 @@ def _wrap_init(dist_module) -> None:
 
     def before_destroy(wrapped, instance, args, kwargs):
         recorder = _installed["recorder"]
-        if isinstance(recorder, FlightRecorderTrail):
-            group = args[0] if args else kwargs.get("group")
+        if not isinstance(recorder, FlightRecorderTrail):
+            return wrapped(*args, **kwargs)
+        group = args[0] if args else kwargs.get("group")
+        try:
             recorder.groups_ending(every_group=group is None or group is c10d.GroupMember.WORLD)
+        except RuntimeError:  # collectives dropped: said once the groups are gone (nothing else half done)
+            wrapped(*args, **kwargs)
+            raise
         return wrapped(*args, **kwargs)
 
     for module in (c10d, dist_module):
