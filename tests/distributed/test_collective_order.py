@@ -65,6 +65,19 @@ def _in_hook(rank, world_size):
     return float(model(torch.ones(3, 6)).sum())
 
 
+def _fsdp2_step(mesh):
+    """Forward and backward of a two-layer model under FSDP2 (all-gathers, reduce-scatters)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.ones(3, 6)).sum().backward()
+
+
 def _records(rank, world_size, layout):
     """What the rank's recorder saw while FSDP2 / DTensor ran."""
     import torch
@@ -81,14 +94,7 @@ def _records(rank, world_size, layout):
         d = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
         assert d.full_tensor().shape == (4, 2)
     else:
-        from torch.distributed.fsdp import fully_shard
-
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model(torch.ones(3, 6)).sum().backward()
+        _fsdp2_step(mesh)
     dist.barrier()
     return [(r.kind, r.group, r.dtype, r.numel) for r in recorder.records[before:]]
 
@@ -100,7 +106,6 @@ def _both_views(rank, world_size):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from accel_fp8_fix.testing import collective_order
@@ -121,12 +126,7 @@ def _both_views(rank, world_size):
         p = DTensor.from_local(torch.ones(4, 2), mesh, [Partial()])
         p.redistribute(mesh, [Shard(0)])
         p.redistribute(mesh, [Replicate()])
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model(torch.ones(3, 6)).sum().backward()
+        _fsdp2_step(mesh)
         dist.barrier()
     seen = {"trail": type(trail).__name__, "flight_recorder": [r.key() + (r.inside,) for r in trail.records[before:]],
             "dispatch": [r.key() + (r.inside,) for r in dispatch.records]}
