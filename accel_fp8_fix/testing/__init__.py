@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import collective_order
+from .. import settings
 
 __all__ = ["run_distributed", "DistributedTestError", "free_port"]
 
@@ -161,7 +161,7 @@ def _start_ranks(tmp: Path, world_size: int, env, rank_env) -> list:
             PYTHONUNBUFFERED="1",
         )
         # the collective-order audit reads c10d's flight recorder (on from start-up) instead of seeing every op
-        rank_environ.setdefault(collective_order.FR_ENV, str(collective_order.FR_ENTRIES))
+        rank_environ.setdefault(settings.FLIGHT_RECORDER, str(settings.FLIGHT_RECORDER_ENTRIES))
         log = open(tmp / f"rank{rank}.log", "w+")
         proc = subprocess.Popen([sys.executable, "-m", "accel_fp8_fix.testing._worker", str(tmp), str(rank)],
                                 env=rank_environ, stdout=log, stderr=subprocess.STDOUT)

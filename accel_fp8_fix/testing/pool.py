@@ -38,7 +38,6 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from .. import settings
-from . import collective_order
 from . import DistributedTestError, _collective_divergences, _divergence_error, _importable, _tail, free_port
 
 __all__ = ["RankPool"]
@@ -137,7 +136,7 @@ class RankPool:
                        LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1",
                        OMP_NUM_THREADS=environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
         # the collective-order audit reads c10d's flight recorder (on from start-up) instead of seeing every op
-        environ.setdefault(collective_order.FR_ENV, str(collective_order.FR_ENTRIES))
+        environ.setdefault(settings.FLIGHT_RECORDER, str(settings.FLIGHT_RECORDER_ENTRIES))
         log = open(Path(self._tmp.name) / f"rank{rank}.log", "w+")
         self._logs.append(log)
         # The token (a rank proves it was started by this pool) and the modules to import, as arguments.
