@@ -78,6 +78,7 @@ def _run_plants(plants, namespace):
 def _scoped_world(rank, world_size, script_dir):
     import os
     import runpy
+    import sys
     import types
 
     import torch.distributed as dist
@@ -175,9 +176,36 @@ def _scoped_world(rank, world_size, script_dir):
     out["te_guard_meta"] = _outcome(lambda: linear(torch.empty(16, 32, device="meta")))
     out["te_guard_cpu"] = _outcome(lambda: linear(torch.randn(16, 32)))
 
-    # uninstall restores torch.cuda's class and attributes
     from accel_fp8_fix.rehearsal.te_on_cpu import cuda_as_cpu
 
+    # (e) the kernel shim's kernels run with the mode off: their torch calls are the CPU arithmetic of TE's
+    # kernels (most of a step's torch calls), not passed through Python; a CUDA request inside one fails
+    from torch.overrides import _get_current_function_mode_stack
+
+    tex = sys.modules["transformer_engine_torch"]
+    seen = []
+    kind_of = tex._quantizer_kind
+
+    def recording_kind_of(quantizer):  # called by the shim's quantize / GEMM during a real FP8 step
+        seen.append(sorted({type(m).__name__ for m in _get_current_function_mode_stack()}))
+        return kind_of(quantizer)
+
+    tex._quantizer_kind = recording_kind_of
+    try:
+        with te.autocast(enabled=True, recipe=DelayedScaling()):
+            linear(torch.randn(16, 32)).sum().backward()
+    finally:
+        tex._quantizer_kind = kind_of
+    shim_probe = {"__name__": cuda_as_cpu._SHIM, "torch": torch}
+    exec("def alloc():\n    return torch.zeros(2, device='cuda')\n", shim_probe)
+    out["shim"] = {"modes_in_kernels": sorted(set(map(tuple, seen))), "kernel_calls": len(seen),
+                   "mode_outside": sorted({type(m).__name__ for m in _get_current_function_mode_stack()}),
+                   "alloc_with_mode": _outcome(shim_probe["alloc"]),
+                   "alloc_mode_off": _outcome(cuda_as_cpu.mode_off(shim_probe["alloc"])),
+                   "unwrapped": sorted(n for n in tex.REAL_EXTENSION_NAMES if isinstance(vars(tex).get(n), types.FunctionType)
+                                       and not hasattr(vars(tex)[n], "__wrapped__"))}
+
+    # uninstall restores torch.cuda's class and attributes
     cuda_as_cpu.uninstall()
     out["uninstalled"] = {"class_is_module": type(torch.cuda) is types.ModuleType,
                           "stream": torch.cuda.Stream.__module__, "generators": len(torch.cuda.default_generators)}
@@ -280,6 +308,18 @@ def test_tes_cuda_rng_is_the_cpu_generator(scoped):
 def test_tes_needs_cuda_guard_fires_for_a_meta_input(scoped):
     assert scoped["te_guard_meta"] == ["RuntimeError", "TransformerEngine needs CUDA. Got input on device: meta"]
     assert scoped["te_guard_cpu"][0] == "ok"
+
+
+def test_the_kernel_shims_kernels_run_with_the_mode_off_and_still_refuse_cuda(scoped):
+    shim = scoped["shim"]
+    assert shim["mode_outside"] == ["CudaAsCpuMode"] and shim["kernel_calls"] > 0
+    assert shim["modes_in_kernels"] == [()]  # every kernel call of a real FP8 step ran with no mode
+    assert shim["unwrapped"] == []
+    assert shim["alloc_with_mode"] == ["ok", "tensor on cpu"]  # the shim's frames are TE's for the mode ...
+    # ... and a kernel asking for CUDA fails: torch's CUDA initialisation is TE's stand-in (it asks from a TE
+    # frame), so the dispatcher refuses the CUDA backend instead of "Torch not compiled with CUDA enabled"
+    error, message = shim["alloc_mode_off"]
+    assert error == "NotImplementedError" and "'CUDA' backend" in message, shim["alloc_mode_off"]
 
 
 def test_uninstall_restores_torch_cuda(scoped):

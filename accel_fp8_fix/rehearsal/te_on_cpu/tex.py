@@ -1931,3 +1931,16 @@ def __getattr__(name: str):
 
 def _self_module():
     return sys.modules[__name__]
+
+
+def _kernels_run_with_the_mode_off() -> None:
+    """The extension's functions defined here run without CUDA-as-CPU's mode (cuda_as_cpu.mode_off): their torch
+    calls are CPU arithmetic, so the mode has nothing to map and would only cost a Python call for each."""
+    module = vars(sys.modules[__name__])
+    for name in REAL_EXTENSION_NAMES:
+        value = module.get(name)
+        if isinstance(value, types.FunctionType):
+            module[name] = cuda_as_cpu.mode_off(value)
+
+
+_kernels_run_with_the_mode_off()
