@@ -9,12 +9,18 @@ set here once for every child process.
 """
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 TESTS = str(Path(__file__).resolve().parent)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+# Bytecode caches for this package and the tests (git ignores __pycache__): with PYTHONDONTWRITEBYTECODE set
+# (this machine image sets it) every rank, launcher and subprocess of the suite compiled their sources again at
+# each start, and pytest rewrote the test modules' assertions in every session.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_configure(config):
