@@ -200,6 +200,9 @@ REGISTRY: dict = {s.name: s for s in (
             owner="testing"),
     Setting("ACCEL_FP8_FIX_TEST_POOL_MAX_THREADS", "count", "a pooled rank holding more OS threads than this after "
             "a run closes its pool (accel_fp8_fix.testing.pool, docs/testing.md)", owner="testing", default="200"),
+    Setting("ACCEL_FP8_FIX_TEST_POOL_FORK", "bool", "on: a rank pool's start-up interpreter imports once and forks "
+            "the ranks; off: every rank is started anew (accel_fp8_fix.testing.pool, docs/testing.md)", owner="testing",
+            default="on"),
     Setting("ACCEL_FP8_FIX_COLLECTIVE_AUDIT", "path", "record this process's collectives into this folder for the "
             "cross-rank order check (accel_fp8_fix.testing.collective_order, docs/testing.md)", owner="testing",
             default="off"),

@@ -57,10 +57,12 @@ class RankPool:
     cores waking ~800 idle threads a rank (default ``ACCEL_FP8_FIX_TEST_POOL_MAX_THREADS`` or 200)."""
 
     def __init__(self, world_size: int, env: dict | None = None, preload: tuple = (), start_timeout: float = 300.0,
-                 max_threads: int | None = None):
+                 max_threads: int | None = None, fork: bool | None = None):
         if world_size < 1:
             raise ValueError(f"RankPool: world_size must be >= 1, got {world_size}")
         self.world_size, self.env, self.preload = world_size, dict(env or {}), tuple(preload)
+        # one start-up interpreter imports ``preload`` and forks the ranks (default ACCEL_FP8_FIX_TEST_POOL_FORK)
+        self.fork = settings.get("ACCEL_FP8_FIX_TEST_POOL_FORK") is not False if fork is None else fork
         self.start_timeout = start_timeout
         self.max_threads = max_threads or settings.get("ACCEL_FP8_FIX_TEST_POOL_MAX_THREADS") or 200
         self.recycles = 0  # closes after a run that left a rank with more than max_threads OS threads
@@ -68,6 +70,7 @@ class RankPool:
         self.runs = 0
         self.start_seconds = 0.0  # wall seconds spent starting ranks, all starts together
         self._procs: list = []
+        self._zygote: subprocess.Popen | None = None  # the start-up interpreter that forked the ranks
         self._conns: list[Connection] = []
         self._logs: list = []
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -105,6 +108,13 @@ class RankPool:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if self._zygote is not None:  # it leaves once it has reaped every rank
+            try:
+                self._zygote.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._zygote.kill()
+                self._zygote.wait()
+            self._zygote = None
         for conn in self._conns:
             conn.close()
         for log in self._logs:
@@ -122,30 +132,49 @@ class RankPool:
             server.listen(self.world_size)
             server.settimeout(1.0)
             address = f"127.0.0.1:{server.getsockname()[1]}"
-            for rank in range(self.world_size):
-                self._procs.append(self._spawn(rank, address, token))
+            if self.fork:
+                self._zygote = self._spawn_forking(address, token)
+            else:
+                for rank in range(self.world_size):
+                    self._procs.append(self._spawn(rank, address, token))
             self._conns = self._accept(server, token, started)
         self._await_ready(started)
         self.starts += 1
         self._last_start_s = time.monotonic() - started
         self.start_seconds += self._last_start_s
 
-    def _spawn(self, rank: int, address: str, token: str):
+    def _environ(self, rank: int | None) -> dict:
         environ = {**os.environ, **self.env}
-        environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.world_size),
-                       LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR="127.0.0.1",
-                       OMP_NUM_THREADS=environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+        environ.update(WORLD_SIZE=str(self.world_size), LOCAL_WORLD_SIZE=str(self.world_size),
+                       MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=environ.get("OMP_NUM_THREADS", "1"),
+                       PYTHONUNBUFFERED="1")
+        if rank is not None:
+            environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
         # the collective-order audit reads c10d's flight recorder (on from start-up) instead of seeing every op
         environ.setdefault(settings.FLIGHT_RECORDER, str(settings.FLIGHT_RECORDER_ENTRIES))
+        return environ
+
+    def _spawn(self, rank: int, address: str, token: str):
         log = open(Path(self._tmp.name) / f"rank{rank}.log", "w+")
         self._logs.append(log)
         # The token (a rank proves it was started by this pool) and the modules to import, as arguments.
         command = [sys.executable, "-m", "accel_fp8_fix.testing._pool_worker", address, str(rank), token,
                    ",".join(self.preload)]
-        return subprocess.Popen(command, env=environ, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, env=self._environ(rank), stdout=log, stderr=subprocess.STDOUT)
+
+    def _spawn_forking(self, address: str, token: str):
+        """The start-up interpreter: imports ``preload`` once and forks the ranks (_pool_worker.fork_ranks); each
+        rank writes to its own log, as a started one does, and its hello carries its pid."""
+        self._logs = [open(Path(self._tmp.name) / f"rank{rank}.log", "w+") for rank in range(self.world_size)]
+        log = open(Path(self._tmp.name) / "start-up.log", "w+")
+        self._logs.append(log)  # read by _fail_start after the ranks' logs
+        command = [sys.executable, "-m", "accel_fp8_fix.testing._pool_worker", "--fork", address,
+                   str(self.world_size), token, ",".join(self.preload), self._tmp.name]
+        return subprocess.Popen(command, env=self._environ(None), stdout=log, stderr=subprocess.STDOUT)
 
     def _accept(self, server: socket.socket, token: str, started: float) -> list[Connection]:
         conns: dict[int, Connection] = {}
+        forked: dict[int, _ForkedRank] = {}
         while len(conns) < self.world_size:
             self._check_start(started, "connect")
             try:
@@ -162,6 +191,10 @@ class RankPool:
                 conn.close()  # not one of ours
                 continue
             conns[hello["rank"]] = conn
+            if self._zygote is not None:
+                forked[hello["rank"]] = _ForkedRank(hello["pid"], Path(self._tmp.name) / f"rank{hello['rank']}.exit")
+                self._procs = [forked[rank] for rank in sorted(forked)]
+        self._procs = [forked[rank] for rank in range(self.world_size)] if self._zygote is not None else self._procs
         return [conns[rank] for rank in range(self.world_size)]
 
     def _await_ready(self, started: float) -> None:
@@ -182,11 +215,15 @@ class RankPool:
         dead = [r for r, p in enumerate(self._procs) if p.poll() is not None]
         if dead:
             self._fail_start(f"rank(s) {dead} exited while the pool was starting ({stage})")
+        if self._zygote is not None and self._zygote.poll() is not None:
+            self._fail_start(f"the start-up interpreter exited ({self._zygote.returncode}) while the pool was "
+                             f"starting ({stage})")
         if time.monotonic() - started > self.start_timeout:
             self._fail_start(f"the ranks did not {stage} within {self.start_timeout:.0f}s")
 
     def _fail_start(self, why: str) -> None:
-        reports = [f"--- rank {r} ---\n{_tail(self._read_log(r, 0))}" for r in range(len(self._logs))]
+        names = [f"rank {r}" for r in range(self.world_size)] + ["start-up interpreter"]
+        reports = [f"--- {names[r]} ---\n{_tail(self._read_log(r, 0))}" for r in range(len(self._logs))]
         self._kill()
         raise DistributedTestError(f"RankPool({self.world_size}) failed to start: {why}\n" + "\n".join(reports))
 
@@ -247,7 +284,7 @@ class RankPool:
                 try:
                     replies[rank] = conn.recv()
                 except (EOFError, OSError):
-                    replies[rank] = {"ok": False, "error": f"the rank died (exit {self._procs[rank].poll()})"}
+                    replies[rank] = {"ok": False, "error": f"the rank died (exit {_exit_status(self._procs[rank])})"}
                 if not replies[rank].get("ok") and failed_at is None:
                     failed_at = time.monotonic()
         return replies, False
@@ -280,6 +317,56 @@ class RankPool:
             self.close()  # the next run starts new ranks
             self.recycles += 1
         return results
+
+
+def _exit_status(proc) -> int | None:
+    """The exit status of a rank whose connection just closed (it may take a moment to be reaped)."""
+    try:
+        return proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+class _ForkedRank:
+    """A rank forked by the pool's start-up interpreter, as the pool sees it: not this process's child, so it is
+    watched by pid and its exit status read from the file the start-up interpreter writes when it reaps it
+    (``subprocess.Popen``'s poll / wait / kill, for what the pool uses)."""
+
+    def __init__(self, pid: int, exit_file: Path):
+        self.pid, self._exit_file, self.returncode = pid, exit_file, None
+
+    def _reaped(self) -> int | None:
+        try:
+            return int(self._exit_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._reaped()
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:  # gone: its status is on the way (or the start-up interpreter died)
+                time.sleep(0.2)
+                self.returncode = self._reaped()
+                if self.returncode is None:
+                    self.returncode = -9
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pooled rank (pid {self.pid})", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
 
 
 def _profile_pooled(what: str, world_size: int, started: float, replies: dict, start_s: float,

@@ -99,8 +99,9 @@ def _leaves_a_thread(rank, world_size):
     return rank
 
 
-def test_a_pool_runs_many_launches_in_the_same_interpreters_each_as_a_fresh_one_would():
-    with RankPool(2, env={"ACCEL_FP8_FIX": "1"}) as pool:
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "started"])
+def test_a_pool_runs_many_launches_in_the_same_interpreters_each_as_a_fresh_one_would(fork):
+    with RankPool(2, env={"ACCEL_FP8_FIX": "1"}, fork=fork) as pool:
         first = pool.run(_pid_and_state, args=(True,), timeout=120)
         second = pool.run(_pid_and_state, timeout=60)
         assert pool.starts == 1
@@ -112,6 +113,46 @@ def test_a_pool_runs_many_launches_in_the_same_interpreters_each_as_a_fresh_one_
         assert after["patch_set"] == before["patch_set"] == new["patch_set"] == "accelerate-1.13-1.16"  # re-applied
         assert after["random"] == before["random"]  # torch's RNG put back to its start-up state
         # (not compared with the fresh run: torch >= 2.13 seeds each new process's default generator at random)
+
+
+def _process_and_generators(rank, world_size, exit_code=None):
+    import os
+    import random
+
+    import numpy
+    import torch
+
+    if exit_code is not None and rank == 1:
+        os._exit(exit_code)  # dies without a word: the pool reads its exit status
+    return {"pid": os.getpid(), "parent": os.getppid(), "torch": float(torch.rand(1)),
+            "numpy": float(numpy.random.rand()), "random": random.random()}
+
+
+def test_a_forked_pools_ranks_are_processes_of_their_own_with_their_own_generators():
+    """The start-up interpreter imports once and forks the ranks: each is its own process (its parent the start-up
+    interpreter, not pytest), and draws from generators of its own as a started rank does — not from a copy shared
+    by every rank."""
+    import os
+
+    with RankPool(2, env={"ACCEL_FP8_FIX": "0"}, preload=("torch", "numpy")) as pool:
+        forked = pool.run(_process_and_generators, timeout=60)
+        zygote = pool._zygote.pid
+        with pytest.raises(DistributedTestError, match=r"--- rank 1: the rank died \(exit 3\) ---"):
+            pool.run(_process_and_generators, args=(3,), timeout=60)
+    started = run_distributed(_process_and_generators, 2, env={"ACCEL_FP8_FIX": "0"}, timeout=60)
+    assert forked[0]["pid"] != forked[1]["pid"] and {r["parent"] for r in forked} == {zygote} != {os.getpid()}
+    for name in ("torch", "numpy", "random"):
+        assert (forked[0][name] != forked[1][name]) == (started[0][name] != started[1][name]), name
+    assert forked[0]["numpy"] != forked[1]["numpy"] and forked[0]["random"] != forked[1]["random"]
+
+
+def test_a_forked_pool_whose_imports_fail_says_so_with_the_start_up_interpreters_output():
+    with pytest.raises(DistributedTestError) as info:
+        with RankPool(2, preload=("accel_fp8_fix_no_such_module",), start_timeout=60) as pool:
+            pool.run(_ranks_report, timeout=30)
+    message = str(info.value)
+    assert "start-up interpreter exited" in message and "--- start-up interpreter ---" in message
+    assert "No module named 'accel_fp8_fix_no_such_module'" in message
 
 
 def test_a_run_that_leaves_a_patch_or_a_thread_fails_naming_it_and_the_pool_is_rebuilt():
