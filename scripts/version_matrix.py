@@ -127,7 +127,7 @@ def run_suite(python: Path, spec: str, root: Path, tests: list[str], lock: str |
     results = root / "results"
     results.mkdir(parents=True, exist_ok=True)
     junit = results / f"torch-{spec}.xml"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # (bytecode caches: tests/conftest.py keeps them)
     env.pop("VIRTUAL_ENV", None)
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"  # accelerate launch etc. of this venv
     cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args, *tests]

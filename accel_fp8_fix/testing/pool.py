@@ -20,6 +20,10 @@ package's once-per-process caches, RNG, warnings, logging) and checks what it ca
 monkeypatched and left so, threads left running). A run that raises, hangs or leaves state behind fails with
 every rank's report, and the pool is rebuilt (new interpreters) before its next run.
 
+The ranks are forked from one start-up interpreter that imports ``preload`` once (``fork=True``, default
+``ACCEL_FP8_FIX_TEST_POOL_FORK``; docs/testing.md says what differs from started ranks: the string-hash seed is
+shared); ``fork=False`` starts every rank anew.
+
 What a pool cannot give — an interpreter's start-up and exit (the ``.pth`` activation, exit status and teardown,
 version refusal, ``accelerate launch`` itself) — needs fresh interpreters: ``run_distributed``.
 """

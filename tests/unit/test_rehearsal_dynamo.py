@@ -72,3 +72,41 @@ def test_torch_2_13_dynamo_reuses_a_modes_frame_for_another_property_getter():
 
     with pytest.raises(TypeError, match=r"device=torch\.Size"):
         _run_under(PassThrough)
+
+
+_REPRO_AFTER_START_UP = """
+import sys
+started_with_dynamo = "torch._dynamo" in sys.modules
+import torch
+from accel_fp8_fix.rehearsal.te_on_cpu import cuda_as_cpu
+F = torch.nn.functional
+
+@torch._dynamo.disable
+def eager_part(x):
+    return x
+
+def model_like(ids, w):
+    for _ in range(2):
+        ids = eager_part(ids)
+    e = F.embedding(ids, w)
+    return torch.arange(e.shape[1], device=e.device)
+
+with cuda_as_cpu.CudaAsCpuMode():
+    out = torch.compile(model_like, backend="eager")(torch.randint(0, 8, (2, 5)), torch.randn(8, 4))
+print(started_with_dynamo, torch.equal(out, torch.arange(5)))
+"""
+
+
+def test_a_process_that_imports_dynamo_after_the_rehearsal_started_gets_the_frames_skipped_then():
+    """The rehearsal installed at start-up (the ``.pth`` hook) does not import dynamo (~1 s: a launcher or a tool's
+    helper process never needs it); the frames are skipped when dynamo arrives."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL")}
+    env.update(ACCEL_FP8_FIX_REHEARSAL="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _REPRO_AFTER_START_UP], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "True"], proc.stdout + proc.stderr[-3000:]

@@ -460,7 +460,12 @@ def install() -> None:
     """Idempotent. Patches ``torch.cuda`` queries (scoped to TE callers) and enters the mode."""
     if _state["installed"]:
         return
-    _skip_dynamo_frames()
+    if "torch._dynamo" in sys.modules:
+        _skip_dynamo_frames()
+    else:  # when dynamo arrives (TE imports it): a process that never imports it (a tool's helper, a launcher)
+        import wrapt  # should not pay its ~1 s import for the rehearsal
+
+        wrapt.register_post_import_hook(lambda _dynamo: _skip_dynamo_frames(), "torch._dynamo")
     saved = {}
     for name, answer in _te_answers().items():
         original, scoped = _scoped(name, answer)
