@@ -11,8 +11,14 @@ the round), and their ratios; then, under cProfile, the self time of the kernel 
 c10d's flight recorder is on for the whole process (torch reads its variable once), so its own cost per collective
 is in all three figures; what the trail adds is its two reads a round (where it starts, what it recorded).
 
-Run: ``flock /tmp/accel_fp8_fix.mp.lock python benchmarks/test_bed_cost.py [--rounds 12 --steps 5]`` (~40 s on 2
-cores). Not a timed test: figures for docs/testing.md, "What a step costs the test bed".
+The same step with the kernel shim's kernels run through CUDA-as-CPU's mode (as before stop 44) vs with the mode
+popped in them (``cuda_as_cpu.mode_off``, the default), interleaved likewise. ``--pool-starts N``: N rounds of
+starting a 4-rank rank pool of the suite's main environment (the rehearsal, its preload), its ranks forked from one
+start-up interpreter vs each started anew (``RankPool(fork=...)``), alternating: the wall seconds to a ready pool.
+
+Run: ``flock /tmp/accel_fp8_fix.mp.lock python benchmarks/test_bed_cost.py [--rounds 12 --steps 5]
+[--pool-starts 3]`` (~40 s on 2 cores, ~1 min more with pool starts). Not a timed test: figures for
+docs/testing.md, "What a step costs the test bed".
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=5, help="steps per round and setting")
+    parser.add_argument("--pool-starts", type=int, default=0, help="rounds of 4-rank pool starts, forked vs started")
     args = parser.parse_args()
+    if args.pool_starts:
+        pool_starts(args.pool_starts)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from accel_fp8_fix.testing import collective_order
 
@@ -86,8 +95,22 @@ def main() -> None:
         assert len(recorder.records) == args.steps * len(list(model.parameters()))  # read, as the audit does
         reads.append(time.perf_counter() - started)
 
+    tex = sys.modules["transformer_engine_torch"]
+
+    @contextlib.contextmanager
+    def kernels_through_the_mode():  # the shim's kernels unwrapped: their torch calls pass through the mode
+        wrapped = {name: fn for name, fn in vars(tex).items() if getattr(fn, "__wrapped__", None) is not None
+                   and name in tex.REAL_EXTENSION_NAMES}
+        for name, fn in wrapped.items():
+            setattr(tex, name, fn.__wrapped__)
+        try:
+            yield
+        finally:
+            for name, fn in wrapped.items():
+                setattr(tex, name, fn)
+
     settings = {"recorder off": contextlib.nullcontext, "dispatch recorder": CollectiveRecorder,
-                "flight recorder": trail}
+                "flight recorder": trail, "shim through mode": kernels_through_the_mode}
     steps(contextlib.nullcontext)  # warm
     times = {name: [] for name in settings}
     for round_ in range(args.rounds):
@@ -100,6 +123,8 @@ def main() -> None:
         print(f"  {name:17s} {value * 1e3:7.1f} ms a step (median)")
     for name in ("dispatch recorder", "flight recorder"):
         print(f"  {name} / off  {median[name] / median['recorder off']:7.2f}")
+    print(f"  the shim's kernels through CUDA-as-CPU's mode / popped in them (the default): "
+          f"{median['shim through mode'] / median['recorder off']:.2f}")
     print(f"  the flight recorder's read at a round's end (in its figure): {statistics.median(reads) * 1e3:.1f} ms "
           f"median, the buffer holding up to {(3 * args.rounds + 1) * args.steps * len(list(model.parameters()))} "
           f"entries; {len(list(model.parameters()))} collectives a step")
@@ -118,6 +143,30 @@ def main() -> None:
     dist.destroy_process_group()
     if os.path.exists(store.name):  # the file store removes its file when the group ends
         os.unlink(store.name)
+
+
+def pool_starts(rounds: int) -> None:
+    """Wall seconds to a ready 4-rank pool of the suite's main environment, forked vs started, alternating."""
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)
+    from support import launcher, scenarios
+
+    from accel_fp8_fix.testing.pool import RankPool
+
+    env = scenarios.ENV_FIXED
+    seconds: dict = {True: [], False: []}
+    for round_ in range(rounds):
+        for fork in ((True, False) if round_ % 2 == 0 else (False, True)):
+            pool = RankPool(4, env=env, preload=launcher.preload_for(env), fork=fork)
+            try:
+                pool._start()
+                seconds[fork].append(pool.start_seconds)
+            finally:
+                pool.close()
+    forked, started = statistics.median(seconds[True]), statistics.median(seconds[False])
+    print(f"4-rank pool start ({', '.join(sorted(env))}; preload {', '.join(launcher.preload_for(env))}), "
+          f"{rounds} rounds alternating: forked {forked:.1f} s, started {started:.1f} s (median), "
+          f"forked / started {forked / started:.2f}")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@
 # (/tmp/accel_fp8_fix.mp.lock, or $ACCEL_FP8_FIX_TEST_LOCK; 0 = none) so that two runners never share the cores:
 # do not wrap it in another flock of the same file.
 #
-# With no arguments the suite runs as two pytest sessions side by side: the one-process layer (tests/unit, ~2
-# minutes on one core) beside the multi-process layers, whose ranks leave a core idle ~20 % of the time (waiting on
-# each other, starting, collecting). The unit session's report is printed after the other's, and the command fails
-# if either does (the pooled-equals-fresh check, tests/distributed/test_pool_agreement.py, covers the
-# multi-process launches: all in the other session). ACCEL_FP8_FIX_TEST_SPLIT=0 runs one session (as with
+# With no arguments the suite runs as two pytest sessions side by side: the one-process tests (tests/unit, and the
+# files of tests/network whose subprocesses are single interpreters: the GPU kit's, bar its 3-second 2-rank probe,
+# and the wheels'; ~3 minutes on one core) beside the multi-process layers, whose ranks leave a core idle ~20 % of
+# the time (waiting on each other, starting, collecting). The side session's report is printed after the other's,
+# and the command fails if either does (the pooled-equals-fresh check, tests/distributed/test_pool_agreement.py,
+# covers the pooled launches: all in the other session). ACCEL_FP8_FIX_TEST_SPLIT=0 runs one session (as with
 # arguments: `bash scripts/test.sh tests/unit` runs one layer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,19 +23,20 @@ fi
 if [ $# -gt 0 ] || [ "${ACCEL_FP8_FIX_TEST_SPLIT:-1}" = 0 ]; then
   exec python -m pytest -q "$@"
 fi
+side=(tests/unit tests/network/test_gpu_kit.py tests/network/test_packaging.py)
 unit_log=$(mktemp "${TMPDIR:-/tmp}/accel_fp8_fix-unit.XXXXXX")
-# the unit session keeps fewer one-rank pools alive: the other session's ranks share the memory
+# the side session keeps fewer one-rank pools alive: the other session's ranks share the memory
 ACCEL_FP8_FIX_TEST_POOLS=${ACCEL_FP8_FIX_TEST_UNIT_POOLS:-3} \
-  python -m pytest -q tests/unit >"$unit_log" 2>&1 &
+  python -m pytest -q "${side[@]}" >"$unit_log" 2>&1 &
 unit_pid=$!
 trap 'kill "$unit_pid" 2>/dev/null || true' EXIT INT TERM
 status=0
-python -m pytest -q --ignore=tests/unit || status=$?
+python -m pytest -q "${side[@]/#/--ignore=}" || status=$?
 unit_status=0
 wait "$unit_pid" || unit_status=$?
 trap - EXIT INT TERM
 echo
-echo "=== the one-process layer (tests/unit), run beside the above: exit $unit_status ==="
+echo "=== the one-process tests (${side[*]}), run beside the above: exit $unit_status ==="
 cat "$unit_log"
 rm -f "$unit_log"
 [ "$status" -eq 0 ] && [ "$unit_status" -eq 0 ]
