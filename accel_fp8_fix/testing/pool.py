@@ -197,8 +197,7 @@ class RankPool:
             conns[hello["rank"]] = conn
             if self._zygote is not None:
                 forked[hello["rank"]] = _ForkedRank(hello["pid"], Path(self._tmp.name) / f"rank{hello['rank']}.exit")
-                self._procs = [forked[rank] for rank in sorted(forked)]
-        self._procs = [forked[rank] for rank in range(self.world_size)] if self._zygote is not None else self._procs
+                self._procs = [forked[rank] for rank in sorted(forked)]  # all of them once every rank said hello
         return [conns[rank] for rank in range(self.world_size)]
 
     def _await_ready(self, started: float) -> None:
