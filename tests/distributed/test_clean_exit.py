@@ -10,12 +10,14 @@ Half the launches end with `accelerator.end_training()` (stock destroys the defa
 the groups FSDP2 and the mesh still hold keep gloo's workers releasing: 4 of 10 such launches aborted beside the
 heavy load before its destroy was wrapped, 0 of 10 after; examples/demo.py aborted so once in CI).
 
-The suite launches it 4 times (each combination of in flight / end_training once: exit 0 is asserted every time); the abort *rate* is a measurement,
-not a suite test: ``ACCEL_FP8_FIX_CLEAN_EXIT_LAUNCHES=40 python -m pytest -q tests/distributed/test_clean_exit.py``
+The suite launches it 4 times (each combination of in flight / end_training once: exit 0 is asserted every time),
+side by side under one heavy load (each launch has the busy loops, the disk churn and three other launches beside it:
+a heavier load than one launch at a time, in half the wall time); the abort *rate* is a measurement, not a suite test: ``ACCEL_FP8_FIX_CLEAN_EXIT_LAUNCHES=40 python -m pytest -q tests/distributed/test_clean_exit.py``
 (and ``ACCEL_FP8_FIX_CLEAN_EXIT_SHOW_STOCK=1`` for the stock rate under the same load; figures: docs/failures.md).
 """
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "clean_exit_script.py"
 LAUNCHES = int(os.environ.get("ACCEL_FP8_FIX_CLEAN_EXIT_LAUNCHES", "4"))
+SIDE_BY_SIDE = 4  # launches at a time: 8 ranks beside the loops
 
 CONFIG = """\
 compute_environment: LOCAL_MACHINE
@@ -56,11 +59,24 @@ def _env(**extra):
     return env
 
 
-def _launch(config: Path, *args: str, env=None) -> subprocess.CompletedProcess:
-    """``accelerate launch`` of the user script under the heavy load level (the loops end with the launch)."""
-    cmd = ["bash", str(ROOT / "scripts" / "loaded.sh"), "--heavy",
-           sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(SCRIPT), *args]
-    return subprocess.run(cmd, env=env or _env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+def _launch_side_by_side(config: Path, runs: list, tmp_path: Path) -> list:
+    """``accelerate launch`` of the user script once per ``(args, extra_env)`` of ``runs``, up to ``SIDE_BY_SIDE`` at
+    a time, each wave under one heavy load (the loops end with the wave's last launch): ``(exit status, output)``
+    per run, in order."""
+    results = []
+    for first in range(0, len(runs), SIDE_BY_SIDE):
+        wave = runs[first:first + SIDE_BY_SIDE]
+        lines = []
+        for i, (args, extra) in enumerate(wave, start=first):
+            cmd = ["env", *(f"{k}={v}" for k, v in extra.items()), sys.executable, "-m", "accelerate.commands.launch",
+                   "--config_file", str(config), str(SCRIPT), *args]
+            out, rc = tmp_path / f"launch{i}.out", tmp_path / f"launch{i}.rc"
+            lines.append(f"({shlex.join(cmd)} >{shlex.quote(str(out))} 2>&1; echo $? >{shlex.quote(str(rc))}) &")
+        subprocess.run(["bash", str(ROOT / "scripts" / "loaded.sh"), "--heavy", "bash", "-c", "\n".join(lines + ["wait"])],
+                       env=_env(), capture_output=True, text=True, timeout=300, check=True, cwd=ROOT)
+        for i in range(first, first + len(wave)):
+            results.append((int((tmp_path / f"launch{i}.rc").read_text()), (tmp_path / f"launch{i}.out").read_text()))
+    return results
 
 
 def test_finished_runs_exit_zero(tmp_path):
@@ -68,19 +84,20 @@ def test_finished_runs_exit_zero(tmp_path):
     config.write_text(CONFIG)
     from accel_fp8_fix.testing.collective_order import check_dir, load_dir
 
-    failures = []
+    runs = []
     for i in range(LAUNCHES):
         in_flight, end_training = i % 2 == 1, i // 2 % 2 == 1
         args = ["--steps", "2"] + (["--in-flight"] if in_flight else []) + (["--end-training"] if end_training else [])
-        audit = tmp_path / f"collectives{i}"  # the user script's collectives agree across ranks, too
-        env = _env(ACCEL_FP8_FIX_COLLECTIVE_AUDIT=str(audit))
-        proc = _launch(config, *args, env=env)
-        out = proc.stdout + proc.stderr
-        assert "training done" in proc.stdout, f"launch {i} did not finish training:\n{out[-4000:]}"
-        assert "mixed precision fp8, te modules 14" in proc.stdout, out[-4000:]  # it trained in FP8
+        # the user script's collectives agree across ranks, too
+        runs.append((args, {"ACCEL_FP8_FIX_COLLECTIVE_AUDIT": str(tmp_path / f"collectives{i}")}))
+    failures = []
+    for i, ((args, extra), (returncode, out)) in enumerate(zip(runs, _launch_side_by_side(config, runs, tmp_path))):
+        assert "training done" in out, f"launch {i} did not finish training:\n{out[-4000:]}"
+        assert "mixed precision fp8, te modules 14" in out, out[-4000:]  # it trained in FP8
+        audit = Path(extra["ACCEL_FP8_FIX_COLLECTIVE_AUDIT"])
         assert check_dir(audit) == [] and [len(r["sequences"]) for r in load_dir(audit).values()] == [2], i
-        if proc.returncode != 0 or "terminate called" in out:
-            failures.append(f"launch {i} ({' '.join(args)}): exit {proc.returncode}\n{out[-1500:]}")
+        if returncode != 0 or "terminate called" in out:
+            failures.append(f"launch {i} ({' '.join(args)}): exit {returncode}\n{out[-1500:]}")
     assert not failures, f"{len(failures)} of {LAUNCHES} finished launches did not exit cleanly:\n" + "\n".join(failures)
 
 
@@ -116,10 +133,9 @@ def test_stock_runs_abort_at_exit_sometimes(tmp_path):
     """With the fixes off the same launches abort at teardown now and then (a rate, not a certainty)."""
     config = tmp_path / "fsdp2.yaml"
     config.write_text(CONFIG)
-    aborted = 0
-    for _ in range(LAUNCHES):
-        proc = _launch(config, "--steps", "2", "--in-flight", env=_env(ACCEL_FP8_FIX="0"))
-        aborted += proc.returncode != 0 and "terminate called" in proc.stdout + proc.stderr
+    runs = [(["--steps", "2", "--in-flight"], {"ACCEL_FP8_FIX": "0"})] * LAUNCHES
+    aborted = sum(returncode != 0 and "terminate called" in out
+                  for returncode, out in _launch_side_by_side(config, runs, tmp_path))
     print(f"stock: {aborted} of {LAUNCHES} finished launches aborted at exit")
     assert aborted > 0
 
