@@ -3,9 +3,10 @@
 # (/tmp/accel_fp8_fix.mp.lock, or $ACCEL_FP8_FIX_TEST_LOCK; 0 = none) so that two runners never share the cores:
 # do not wrap it in another flock of the same file.
 #
-# With no arguments the suite runs as two pytest sessions side by side: the one-process tests (tests/unit, and the
-# files of tests/network whose subprocesses are single interpreters: the GPU kit's, bar its 3-second 2-rank probe,
-# and the wheels'; ~3 minutes on one core) beside the multi-process layers, whose ranks leave a core idle ~20 % of
+# With no arguments the suite runs as two pytest sessions side by side: the tests that use no rank pool (tests/unit;
+# the files of tests/network whose subprocesses are single interpreters: the GPU kit's, bar its 3-second 2-rank
+# probe, and the wheels'; and the files whose launches are fresh interpreters by design: the ways in, the demo, the
+# accelerate releases; ~5 minutes) beside the pooled multi-process layers, whose ranks leave a core idle ~20 % of
 # the time (waiting on each other, starting, collecting). The side session's report is printed after the other's,
 # and the command fails if either does (the pooled-equals-fresh check, tests/distributed/test_pool_agreement.py,
 # covers the pooled launches: all in the other session). ACCEL_FP8_FIX_TEST_SPLIT=0 runs one session (as with
@@ -23,7 +24,8 @@ fi
 if [ $# -gt 0 ] || [ "${ACCEL_FP8_FIX_TEST_SPLIT:-1}" = 0 ]; then
   exec python -m pytest -q "$@"
 fi
-side=(tests/unit tests/network/test_gpu_kit.py tests/network/test_packaging.py)
+side=(tests/unit tests/network/test_gpu_kit.py tests/network/test_packaging.py tests/distributed/test_activation.py
+      tests/distributed/test_demo.py tests/network/test_accelerate_versions.py)
 unit_log=$(mktemp "${TMPDIR:-/tmp}/accel_fp8_fix-unit.XXXXXX")
 # the side session keeps fewer one-rank pools alive: the other session's ranks share the memory
 ACCEL_FP8_FIX_TEST_POOLS=${ACCEL_FP8_FIX_TEST_UNIT_POOLS:-3} \
@@ -36,7 +38,7 @@ unit_status=0
 wait "$unit_pid" || unit_status=$?
 trap - EXIT INT TERM
 echo
-echo "=== the one-process tests (${side[*]}), run beside the above: exit $unit_status ==="
+echo "=== the pool-free tests (${side[*]}), run beside the above: exit $unit_status ==="
 cat "$unit_log"
 rm -f "$unit_log"
 [ "$status" -eq 0 ] && [ "$unit_status" -eq 0 ]
