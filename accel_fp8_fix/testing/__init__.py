@@ -99,7 +99,9 @@ def run_distributed(
             "timeout": timeout,
             "audit_collectives": audit_collectives,
             "deadline": time.time() + timeout,  # wall clock: the ranks' imports take part of the timeout
+            "run_dir": str(tmp / "shared"),  # testing.shared: what one rank computes for all
         }
+        (tmp / "shared").mkdir()
         (tmp / "payload.pkl").write_bytes(pickle.dumps(payload))
         started = time.time()
         procs = _start_ranks(tmp, world_size, env, rank_env)

@@ -22,7 +22,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from accel_fp8_fix.testing import isolation
+from accel_fp8_fix.testing import isolation, shared
 
 
 def main(address: str, rank: str, token: str, preload: str, imported_s: float = 0.0) -> None:
@@ -85,7 +85,8 @@ def _run(task: dict, rank: int, baseline: "isolation.Baseline") -> dict:
 
             dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                                     timeout=timedelta(seconds=task["collective_timeout"]))
-        result = pickle.dumps(fn(rank, int(os.environ["WORLD_SIZE"]), *task["args"]))
+        with shared.during_run(task["run_dir"]):
+            result = pickle.dumps(fn(rank, int(os.environ["WORLD_SIZE"]), *task["args"]))
         ran = time.time()
         _end_run(task)
     except BaseException as exc:  # noqa: BLE001

@@ -11,6 +11,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from accel_fp8_fix.testing import shared
+
 
 def main(tmp: str, rank: str) -> None:
     t_main = time.time()
@@ -49,7 +51,8 @@ def main(tmp: str, rank: str) -> None:
     t_fn = time.time()
     imported_before_fn = imports[0] if imports else None
     try:
-        result = fn(int(rank), world_size, *payload["args"])
+        with shared.during_run(payload.get("run_dir")):
+            result = fn(int(rank), world_size, *payload["args"])
     except BaseException:
         # Report first and leave at once, without destroy_process_group() or interpreter teardown: with peers
         # gone (or stuck in a collective with this rank) either can block until the collective timeout.

@@ -257,7 +257,9 @@ class RankPool:
             task = {"module": module, "qualname": fn.__qualname__, "args": args, "sys_path": paths,
                     "env": dict(env or {}), "port": free_port(), "init_process_group": init_process_group,
                     "collective_timeout": collective_timeout, "timeout": timeout,
-                    "audit_dir": str(Path(tmp) / "collectives") if audit_collectives else None}
+                    "audit_dir": str(Path(tmp) / "collectives") if audit_collectives else None,
+                    "run_dir": str(Path(tmp) / "shared")}  # testing.shared: what one rank computes for all
+            (Path(tmp) / "shared").mkdir()
             offsets = [log.seek(0, os.SEEK_END) for log in self._logs]
             started = time.time()
             for conn in self._conns:

@@ -7,6 +7,7 @@ import pytest
 
 from accel_fp8_fix.testing import DistributedTestError, run_distributed
 from accel_fp8_fix.testing.pool import RankPool
+from accel_fp8_fix.testing.shared import once_per_run, run_dir
 
 
 def _ranks_report(rank, world_size):
@@ -239,3 +240,64 @@ def test_a_pool_whose_ranks_gather_threads_is_closed_after_the_run_and_restarted
         assert min(many) > max(few) + 10 and pool.recycles == 1 and not pool.alive
         again = pool.run(_groups_and_threads, args=(0,), timeout=60)
         assert max(again) <= max(few) + 2 and pool.starts == 2, (few, many, again)
+
+
+@once_per_run
+def _drawn_once(seed, shape):
+    """Stands for a one-process reference: the same on every rank of a run, so computed by one of them."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if run_dir() is not None:
+        with open(run_dir() / "computations", "a") as log:
+            log.write(f"{seed}\n")
+    torch.manual_seed(seed)
+    return {"pid": os.getpid(), "values": torch.rand(shape), "group_seen": dist.is_initialized()}
+
+
+def _shares_what_one_rank_computed(rank, world_size):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(100 + rank)
+    before = torch.get_rng_state()
+    first, again, other = _drawn_once(3, [2, 2]), _drawn_once(3, shape=[2, 2]), _drawn_once(4, (2, 2))
+    rng_kept = torch.equal(torch.get_rng_state(), before)
+    try:
+        _drawn_once(3, torch.ones(2))
+        refused = None
+    except TypeError as exc:
+        refused = str(exc)
+    dist.barrier()
+    return {"pid": os.getpid(), "first": first, "again": again, "other": other, "rng_kept": rng_kept,
+            "refused": refused, "group": dist.is_initialized(),
+            "computations": sorted((run_dir() / "computations").read_text().split())}
+
+
+def test_what_every_rank_computes_alike_is_computed_by_one_and_read_by_the_others():
+    """``once_per_run`` (tests/support's one-process references): one rank of the run computes, as one process
+    (no process group visible, torch's generator put back), and every rank gets the stored result; pooled and
+    fresh ranks alike. Outside a run it is a plain call."""
+    import os
+
+    import torch
+
+    with RankPool(2, env={"ACCEL_FP8_FIX": "0"}) as pool:
+        pooled = pool.run(_shares_what_one_rank_computed, timeout=60)
+    fresh = run_distributed(_shares_what_one_rank_computed, 2, env={"ACCEL_FP8_FIX": "0"}, timeout=60)
+    for ranks in (pooled, fresh):
+        pids = {r["pid"] for r in ranks}
+        for r in ranks:
+            assert r["computations"] == ["3", "4"]  # once per key for the whole run, not once per rank
+            assert r["first"]["pid"] in pids and r["first"]["pid"] == ranks[0]["first"]["pid"]
+            assert torch.equal(r["first"]["values"], ranks[0]["first"]["values"])
+            assert r["again"]["pid"] == r["first"]["pid"] and torch.equal(r["again"]["values"], r["first"]["values"])
+            assert not torch.equal(r["other"]["values"], r["first"]["values"])
+            assert r["group"] and not r["first"]["group_seen"]  # computed as in one process
+            assert r["rng_kept"]
+            assert "argument 'shape' is a Tensor" in r["refused"] and "plain data" in r["refused"]
+    assert run_dir() is None and _drawn_once(3, [2])["pid"] == os.getpid()

@@ -3,6 +3,7 @@ tests/distributed/test_context_parallel.py. Each runs inside a rank and returns 
 
 from __future__ import annotations
 
+from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
 
@@ -292,6 +293,7 @@ def cp_step(acc, model, opt, sizes):
     return weighted, norm, unweighted
 
 
+@fp8_scenarios.one_process_reference
 def cp_reference(family, steps):
     """One process, the global batch, the family converted to TE (``lm_head`` kept, as the ranks keep it), FP8
     delayed scaling without an amax group, SGD with momentum, clipped at CP_CLIP: (losses, norms)."""

@@ -46,6 +46,7 @@ def _skewed_routing(model, experts):
             handle.remove()
 
 
+@fp8_scenarios.one_process_reference
 def reference(family, fp8, steps, skew=None):
     """One process, full batch: (losses, clipped grad norms, the experts' forward amax histories after step 0)."""
     import transformer_engine.pytorch as te

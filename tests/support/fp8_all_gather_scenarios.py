@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
 
@@ -89,6 +90,22 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     return losses, norms
 
 
+@fp8_scenarios.one_process_reference
+def _stack_reference(model, dim, depth, out, recipe, steps, global_batch, fp8_weights):
+    """:func:`_reference` of :func:`sc_train`'s model and batch."""
+    return _reference(_model_for(model, dim, depth, out), recipe, steps, _mse_of(dim, out, global_batch),
+                      fp8_weights=fp8_weights)
+
+
+@fp8_scenarios.one_process_reference
+def _zoo_reference(family, recipe, steps, fp8_weights):
+    """:func:`_reference` of a model-zoo family on the zoo's batch (lm_head kept in high precision)."""
+    from . import zoo_scenarios
+
+    return _reference(lambda: zoo_scenarios.build(family), recipe, steps, lambda m: m(**zoo_scenarios.batch()).loss,
+                      exclude=("lm_head",), fp8_weights=fp8_weights)
+
+
 def linear_stack(dim=scenarios.DIM, depth=2, out=16, seed=0):
     """Blocks of two bias-free Linears (GELU between) and a bias-free head: every parameter FSDP2 gathers is a
     converted weight, so the all-gathered bytes divide by converted parameters exactly."""
@@ -160,7 +177,7 @@ def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, 
     build = _model_for(model, dim, depth, out)
     # block scaling: the shards' tiles are the whole weight's tiles, so TE quantizing the whole weight is the reference
     fp8_weights = all_gather == "fp8" and recipe != "block"
-    ref = _reference(build, recipe, steps, _mse_of(dim, out, global_batch), fp8_weights=fp8_weights) if reference \
+    ref = _stack_reference(model, dim, depth, out, recipe, steps, global_batch, fp8_weights) if reference \
         else (None, None)
     acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, mixed_precision="fp8",
                              wrap_cls=["Block"], fp8_recipe=RECIPES[recipe], reshard_after_forward=reshard,
@@ -412,8 +429,7 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
         dp_shard = world_size  # (one rank: FSDP2 without a ParallelismConfig, as a single-GPU script has it)
     scenarios.ensure_rehearsal(True)
     os.environ[ALL_GATHER_ENV] = all_gather
-    ref = _reference(lambda: zoo_scenarios.build(family), recipe, steps, lambda m: m(**zoo_scenarios.batch()).loss, exclude=("lm_head",),
-                     fp8_weights=all_gather == "fp8")
+    ref = _zoo_reference(family, recipe, steps, fp8_weights=all_gather == "fp8")
 
     def prepared(seed):
         acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
@@ -621,6 +637,7 @@ def _fp8_weight_leaves(model, params):
     return out
 
 
+@fp8_scenarios.one_process_reference
 def _moe_reference(family, recipe, steps, fp8_weights):
     """One process, the whole batch (every Linear converted, lm_head too, as FSDP2 alone converts it)."""
     batch = _moe_batch()

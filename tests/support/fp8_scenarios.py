@@ -5,7 +5,10 @@ Each runs inside a rank of ``run_distributed`` (through ``_scenarios.launch``) a
 
 from __future__ import annotations
 
+import functools
 import os
+
+from accel_fp8_fix.testing.shared import once_per_run
 
 from . import scenarios
 
@@ -34,6 +37,23 @@ def _freeze(model, frozen):
     return model
 
 
+def one_process_reference(fn):
+    """``fn``, a one-process reference, computed by one rank of the run for all of them
+    (:func:`accel_fp8_fix.testing.shared.once_per_run`); every rank then resets TE's global FP8 state, as the
+    references do at their end, so the ranks that read the result go on from the state the computing one has."""
+    shared = once_per_run(fn)
+
+    @functools.wraps(fn)
+    def reference(*args, **kwargs):
+        try:
+            return shared(*args, **kwargs)
+        finally:
+            reset_te_global_state()
+
+    return reference
+
+
+@one_process_reference
 def _reference_fp8_losses(steps=STEPS, frozen=(), rows=GLOBAL_BATCH):
     """(losses, grad norms before clipping) of the same FP8 model trained in this one process on the full
     batch, clipped to ``CLIP`` (no collectives: reduce_amax=False — one process already sees every sample's amax)."""

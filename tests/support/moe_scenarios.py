@@ -303,6 +303,7 @@ def _expert_grads(model) -> dict:
             if p.dim() == 3 and p.grad is not None}
 
 
+@fp8_scenarios.one_process_reference
 def reference(family, fp8, convert, steps=STEPS):
     """One process, full batch: (losses, grad norms, step-0 expert gradients). ``convert``: the experts (and
     every Linear but lm_head) on TE, run under TE autocast with FP8 ``fp8``; without it plain transformers

@@ -30,6 +30,7 @@ def _batch(rank_slice=None):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+@fp8_scenarios.one_process_reference
 def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP, intermediate=None, keep=("lm_head",)):
     """The same Llama, converted to TE in one process (``keep`` — lm_head, as under TP — kept), full batch, clipped
     to ``max_norm``: (losses, grad norms before clipping). ``fsdp2``: the TE modules take TE's FSDP2 weight path,

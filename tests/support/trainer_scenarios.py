@@ -75,6 +75,7 @@ def dataset():
     return [{"input_ids": data["input_ids"][i], "labels": data["labels"][i]} for i in range(zoo_scenarios.GLOBAL_BATCH)]
 
 
+@fp8_scenarios.one_process_reference
 def reference(steps: int = STEPS, family: str = "llama"):
     """One process, full batch, the model converted to TE (lm_head kept, as on the ranks), SGD with the clip the
     Trainer applies: (losses, grad norms before clipping)."""

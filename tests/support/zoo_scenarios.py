@@ -109,6 +109,7 @@ def _recipe(name=None):
                                     reduce_amax=False)
 
 
+@fp8_scenarios.one_process_reference
 def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, recipe=None, moe_experts: bool = True):
     """One process, full batch, the family's model converted to TE (lm_head kept, as the ranks keep it; packed MoE
     experts on TE grouped GEMMs when ``moe_experts``, as the ranks convert them) when ``fp8``: (losses, grad norms
