@@ -226,7 +226,7 @@ def _cp_accelerator(family, dp_shard, cp, tp):
     from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, TERecipeKwargs
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from . import fp8_scenarios, zoo_scenarios
+    from . import zoo_scenarios
 
     scenarios.reset_accelerate()
     scenarios.ensure_te_on_cpu()
@@ -304,7 +304,7 @@ def cp_reference(family, steps):
     from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
     from accel_fp8_fix.fixes.te_convert import convert_after_sharding
 
-    from . import fp8_scenarios, zoo_scenarios
+    from . import zoo_scenarios
 
     model = zoo_scenarios.build(family, attn_implementation="sdpa")
     recipe = zoo_scenarios._recipe()
@@ -361,8 +361,6 @@ def sc_cp_trains_like_one_process(rank, world_size, family="llama", layout="fsdp
     import shutil
 
     import torch.distributed as dist
-
-    from . import fp8_scenarios
 
     scenarios.ensure_rehearsal(True)
     sizes, flat = CP_LAYOUTS[layout], NO_CP[layout]

@@ -41,8 +41,6 @@ def _te_recipe(kind):
 
 
 def _reset_te():
-    from . import fp8_scenarios
-
     fp8_scenarios.reset_te_global_state()
 
 
@@ -423,7 +421,7 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from . import fp8_scenarios, zoo_scenarios
+    from . import zoo_scenarios
 
     if dp_shard is None and dp_replicate is None and tp is None and world_size > 1:
         dp_shard = world_size  # (one rank: FSDP2 without a ParallelismConfig, as a single-GPU script has it)
