@@ -22,6 +22,27 @@ def _pth_installed() -> bool:
     return any(os.path.exists(os.path.join(d, "accel_fp8_fix.pth")) for d in dirs)
 
 
+def _transformers(selection) -> dict:
+    """The installed transformers against the set's tested window, and each internals feature's verdict."""
+    from .internals import transformers_features
+
+    versions = selection.versions or installed_versions(("transformers",))
+    version = versions.get("transformers")
+    tested = selection.patch_set.tested.get("transformers") if selection.patch_set else None
+    outside = selection.patch_set.outside_tested(versions) if selection.patch_set else []
+    return {"version": version, "tested": str(tested) if tested is not None else None,
+            "window": "outside: verified by source hash" if outside else "inside",
+            "summary": transformers_features.describe(versions),
+            "features": {name: {"verified": v.verified, "releases": list(v.releases), "problems": list(v.problems)}
+                         for name, v in transformers_features.verdicts(versions).items()}}
+
+
+def _te_install() -> str | None:
+    from .internals.transformer_engine import meta_package_only
+
+    return meta_package_only(installed_versions(("transformer-engine",)))
+
+
 def doctor(as_json: bool = False) -> int:
     selection = _api.choose_patch_set("fix")
     report = _api.report()
@@ -39,6 +60,8 @@ def doctor(as_json: bool = False) -> int:
             "environment": {k: os.environ[k] for k in ENV_VARS if k in os.environ},
         },
         "invalid settings": [str(exc) for _setting, exc in settings.check()],
+        "transformers": _transformers(selection),
+        "transformer-engine": _te_install(),
         "declarations": str(declarations_dir()),
         "status": report.as_dict(),
     }
@@ -58,6 +81,16 @@ def doctor(as_json: bool = False) -> int:
         print(f"  env         : {key}={value}")
     for problem in info["invalid settings"]:
         print(f"  INVALID     : {problem}")
+    tf = info["transformers"]
+    if tf["version"]:
+        print(f"  transformers: {tf['version']}, tested window {tf['tested'] or '-'} ({tf['window']}): "
+              f"{tf['summary'].partition(': ')[2]}")
+        for name, verdict in tf["features"].items():
+            state = "verified (" + ", ".join(verdict["releases"]) + ")" if verdict["verified"] else \
+                "CHANGED, refused at prepare where a model uses it: " + "; ".join(verdict["problems"])
+            print(f"    {name:24}{state}")
+    if info["transformer-engine"]:
+        print(f"  TE install  : {info['transformer-engine']}")
     print(f"  declarations: {info['declarations']}")
     if report.patches:
         print("  this process:")

@@ -172,7 +172,9 @@ REGISTRY: dict = {s.name: s for s in (
             case_sensitive=True, default="chosen from the installed versions"),  # choices: provide_choices (_api)
     Setting("ACCEL_FP8_FIX_ALLOW_UNTESTED", "bool", "on: a torch / accelerate / Transformer Engine release newer "
             "than every window (never an older one) gets the newest set whose only misfits are such releases, "
-            "applied only if every apply-time check passes, and said once", default="off"),
+            "applied only if every apply-time check passes, and said once; a transformers internal whose source "
+            "matches no tested release is used anyway where a model needs it (said once) instead of refused at "
+            "prepare", default="off"),
     Setting(REHEARSAL, "bool", "on: the CPU rehearsal (Transformer Engine's Python over a CPU kernel shim, "
             "accelerate's CPU gates opened); install: " + REHEARSAL_INSTALL + " (from a checkout)", default="off"),
     Setting("ACCEL_FP8_FIX_EMULATE_TE", "bool", f"deprecated name of {REHEARSAL} (read when that is unset, with a "

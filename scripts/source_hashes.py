@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
-"""The source hashes of the torch functions the patch sets watch (``internals/torch_fsdp2.py``: ``HASHED``,
-``FP8_ALL_GATHER_HASHED``), for an installed torch, a torch source tree or a wheel — what a new release's entry
-in those tables is made from, after its matrix run passed.
+"""The source hashes of the library functions the patch sets watch — what a new release's entry in their tables is
+made from, after its tests passed:
 
-    python scripts/source_hashes.py                          # the torch this interpreter imports (not imported)
-    python scripts/source_hashes.py torch-2.16.0-...whl      # a downloaded wheel (pip download --no-deps torch==X)
+- torch (``internals/torch_fsdp2.py``: ``HASHED``, ``FP8_ALL_GATHER_HASHED``), the default;
+- transformers (``internals/transformers_features.py``: ``FEATURES``), with ``--transformers``.
+
+    python scripts/source_hashes.py                                  # the torch this interpreter has (not imported)
+    python scripts/source_hashes.py torch-2.16.0-...whl              # a downloaded wheel (pip download --no-deps torch==X)
     python scripts/source_hashes.py path/to/site-packages/torch
+    python scripts/source_hashes.py --transformers                   # the installed transformers
+    python scripts/source_hashes.py --transformers transformers-5.26.0-py3-none-any.whl
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -18,26 +24,58 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from accel_fp8_fix.internals import block_sha256, package_root  # noqa: E402
-from accel_fp8_fix.internals.torch_fsdp2 import FP8_ALL_GATHER_HASHED, FSDP2_FOLDER, HASHED  # noqa: E402
 
 
-def read(where: str | None, name: str) -> str:
-    if where and where.endswith(".whl"):
-        with zipfile.ZipFile(where) as wheel:
-            return wheel.read(f"torch/{FSDP2_FOLDER}/{name}").decode()
-    root = Path(where) if where else package_root("torch")
-    return (root / FSDP2_FOLDER / name).read_text()
+def tree(where: str | None, package: str, scratch: Path) -> Path:
+    """The ``package`` folder of an installed package, a source tree or a wheel (unpacked into ``scratch``)."""
+    if where is None:
+        root = package_root(package)
+        if root is None:
+            raise SystemExit(f"source_hashes: {package} is not installed here; give a wheel or a folder")
+        return root
+    path = Path(where)
+    if path.suffix == ".whl":
+        with zipfile.ZipFile(path) as wheel:
+            wheel.extractall(scratch, [n for n in wheel.namelist() if n.startswith(f"{package}/") and n.endswith(".py")])
+        return scratch / package
+    if not path.is_dir():
+        raise SystemExit(f"source_hashes: {where} is neither a wheel nor a folder")
+    return path / package if (path / package).is_dir() else path
+
+
+def rows(root: Path, tables: dict):
+    """(table, file, qualname[ (anchor)], sha256 found, tested releases with that sha256) per watched block."""
+    for table, entries in tables.items():
+        for key, known in entries.items():
+            name, qualname, *anchor = key
+            file = root / name
+            found = block_sha256(file.read_text(), qualname, *anchor) if file.exists() else None
+            where = f"{qualname} ({anchor[0]!r})" if anchor else qualname
+            yield table, name, where, found, [release for release, digest in known.items() if digest == found]
 
 
 def main(argv: list[str]) -> int:
-    where = argv[0] if argv else None
-    for table, entries in (("HASHED", HASHED), ("FP8_ALL_GATHER_HASHED", FP8_ALL_GATHER_HASHED)):
-        for name, qualname in entries:
-            found = block_sha256(read(where, name), qualname)
-            known = entries[(name, qualname)]
-            same = [release for release, digest in known.items() if digest == found]
-            print(f"{table:22} {name:22} {qualname:34} {found}  "
-                  f"{'= ' + ', '.join(same) if same else 'NEW (no release recorded has it)'}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("where", nargs="?", help="a wheel, a site-packages folder or the package folder "
+                                                 "(default: the installed package)")
+    parser.add_argument("--transformers", action="store_true", help="the transformers internals, not torch's")
+    args = parser.parse_args(argv)
+    if args.transformers:
+        from accel_fp8_fix.internals.transformers_features import FEATURES
+
+        package, tables = "transformers", {name: blocks for name, (_, blocks) in FEATURES.items()}
+    else:
+        from accel_fp8_fix.internals.torch_fsdp2 import FP8_ALL_GATHER_HASHED, FSDP2_FOLDER, HASHED
+
+        package = "torch"
+        tables = {t: {(f"{FSDP2_FOLDER}/{name}", q): v for (name, q), v in e.items()}
+                  for t, e in (("HASHED", HASHED), ("FP8_ALL_GATHER_HASHED", FP8_ALL_GATHER_HASHED))}
+    with tempfile.TemporaryDirectory() as scratch:
+        root = tree(args.where, package, Path(scratch))
+        for table, name, where, found, same in rows(root, tables):
+            verdict = "= " + ", ".join(same) if same else ("GONE" if found is None else "NEW (no release recorded has it)")
+            print(f"{table:22} {name:34} {where:50} {found or '-':16}  {verdict}")
     return 0
 
 

@@ -11,6 +11,8 @@ One file declares one patch set, pinned to one version window::
     accelerate = ">=1.13,<1.17"
     [compatible]                      # checked only when installed
     transformer-engine = ">=1.12"
+    [tested]                          # releases the set was tested on: not a requirement (outside it, each
+    transformers = ">=5.24,<5.26"     # internal is served only where its source hashes to a tested release's)
     [[patch]]
     target = "accelerate.accelerator:Accelerator.prepare"   # module:attribute.path
     wrapper = "accel_fp8_fix.fixes.prepare:prepare"          # a wrapt wrapper (wrapped, instance, args, kwargs)
@@ -93,10 +95,17 @@ class PatchSet:
     watches: tuple[PatchSpec, ...] = ()  # mirrored upstream functions (wrapper unused)
     internals: tuple[str, ...] = ()
     on_error: str = ""  # "module:function" called with (exc, where, instance, args) for patches with notes
+    tested: dict[str, SpecifierSet] = field(default_factory=dict)  # tested, not required (transformers)
 
     def window(self) -> str:
         parts = [f"{name} {spec}" for name, spec in {**self.requires, **self.compatible}.items()]
+        parts += [f"{name} {spec} (tested; outside it verified by source hash)" for name, spec in self.tested.items()]
         return ", ".join(parts)
+
+    def outside_tested(self, versions: dict[str, str | None]) -> list[str]:
+        """The installed releases outside the ``[tested]`` windows (``"transformers 5.26.0 (tested >=5.24,<5.26)"``)."""
+        return [f"{name} {versions[name]} (tested {spec})" for name, spec in self.tested.items()
+                if versions.get(name) is not None and not _contains(spec, versions[name])]
 
     def mismatches(self, versions: dict[str, str | None]) -> list[str]:
         """Why this set does not fit ``versions`` (empty when it fits)."""
@@ -183,6 +192,7 @@ def parse_patch_set(data: dict, source: str = "<memory>") -> PatchSet:
         watches=tuple(watches),
         internals=tuple(data.get("internals", ())),
         on_error=on_error,
+        tested=_specifiers(data.get("tested", {}), source),
     )
 
 
@@ -261,7 +271,7 @@ def select_patch_set(
     sets: list[PatchSet], kind: str = "fix", versions: dict[str, str | None] | None = None
 ) -> Selection:
     candidates = [s for s in sets if s.kind == kind]
-    names = sorted({n for s in candidates for n in (*s.requires, *s.compatible)})
+    names = sorted({n for s in candidates for n in (*s.requires, *s.compatible, *s.tested)})
     if versions is None:
         versions = installed_versions(names)
     else:

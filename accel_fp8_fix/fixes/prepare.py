@@ -19,6 +19,7 @@ from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
 from ..distributed.dtensor import is_dtensor
 from ..engine.engine import calling_patch_set
+from ..internals import transformers_features
 from ..internals.transformer_engine import FP8_STATE_ATTRS, gemms_per_forward, init_fp8_metadata
 from .activation_checkpointing import route_checkpointing_through_te
 from .checkpoint import keep_fp8_state_in_checkpoints
@@ -31,6 +32,7 @@ from .fp8_state_loading import install_safe_loading
 from .presharded import check_mesh_matches
 from .te_convert import ConversionReport, convert_after_sharding
 from .tp_layout import record_tp_layout
+from .transformers_check import check_model as check_transformers_internals
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ def prepare(wrapped, instance, args, kwargs):
     plan = plan_fp8(instance)
     if model is not None:
         check_mesh_matches(instance, model)  # a model transformers sharded at load (A18) must match the config
+        check_transformers_internals(model)  # what it uses of transformers' internals: a tested release's source
         record_tp_layout(model)
     setattr(instance, DEFER_FLAG, True)
     try:
@@ -199,6 +202,6 @@ def finish_fp8_prepare(accelerator, model, plan: Fp8Plan) -> Fp8Setup:
     say(logger, logging.INFO,
         f"accel_fp8_fix: {len(conversion.converted)} module(s) converted to Transformer Engine after sharding, "
         f"{len(conversion.experts)} MoE experts module(s) on TE grouped GEMMs, {len(conversion.skipped)} kept; "
-        f"amax group {list(ranks)}")
+        f"amax group {list(ranks)}; {transformers_features.describe()}")
     return setup
 

@@ -24,6 +24,7 @@ import torch
 
 from .._log import say
 from ..distributed.dtensor import is_dtensor
+from ..internals import transformers_features
 from .prepare import DEFER_FLAG, PENDING, handles_fp8_prepare
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def prepare_model(wrapped, instance, args, kwargs):
     model, evaluation_mode = _bind(*args, **kwargs)
     if not (evaluation_mode and _deferred(instance, model)):
         return wrapped(*args, **kwargs)
+    transformers_features.require("trainer_handoff", [type(model).__name__])  # the hand-off this waits for
     setattr(instance, PENDING, model)
     say(logger, logging.INFO,
         f"accel_fp8_fix: {type(model).__name__} was sharded at load (DistributedConfig) and is prepared without its "

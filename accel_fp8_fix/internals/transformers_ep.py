@@ -6,26 +6,13 @@ experts module that closes over an ``EPImplementation`` object; that object kept
 holds an ``AllToAllEP`` (training) and, when the EP group shares one batch, an ``AllReduceEP`` (inference: routes
 to other ranks' experts carry the sentinel id ``num_local_experts`` and weight 0). ``MegaMoeEP`` runs DeepGEMM's
 fused kernel, which has no backward: refused. Anything else fails closed (the experts stay in high precision,
-named).
+named). Whether the dispatch's source is a tested release's is checked by hash (internals/transformers_features.py:
+``expert_parallel``).
 """
 
 from __future__ import annotations
 
 KNOWN = ("AllToAllEP", "AllReduceEP", "AutoEP")
-SOURCE = "distributed/expert_parallel.py"
-# (text that must be in SOURCE): read, not imported; a transformers without the file has no EP to serve
-_SOURCES = ("self.experts_forward = experts.forward", "output = implementation(hidden_states, top_k_index, top_k_weights)")
-
-
-def check(versions) -> list[str]:
-    """Problems when transformers' EP module exists but no longer keeps the experts' forward where this reads it."""
-    from . import missing_from_sources, package_root
-
-    root = package_root("transformers")
-    if root is None or not (root / SOURCE).exists():
-        return []
-    return missing_from_sources(root, [(SOURCE, text) for text in _SOURCES],
-                                f"transformers {versions.get('transformers')}")
 
 
 def dispatch(module):
