@@ -29,7 +29,9 @@ own ``GroupedLinear`` does), and the output columns keep transformers' order, so
 
 TP (``moe_tp_experts`` with ``packed_colwise`` gate_up / ``rowwise`` down) keeps transformers' own input and
 output transforms: the forward here is what transformers' TP forward calls, on the local shards it hands in
-(each rank: its ``I / tp`` slice of every expert, outputs summed by the style). Refused by name (kept in high
+(each rank: its ``I / tp`` slice of every expert, outputs summed by the style). Experts a TP plan leaves alone —
+transformers 5.25's default Qwen3-MoE / Mixtral plans — are replicated on the TP ranks (``Replicate`` on ``tp``,
+fixes/tp.py): every TP rank runs every expert whole on the same tokens, their gradients alike on every TP rank. Refused by name (kept in high
 precision, in the conversion report): expert parallelism, non-gated experts, a post-expert norm, TP-sharded
 transposed experts, a TP layout other than the one above, local dims that are not a multiple of the recipe's.
 
@@ -200,7 +202,7 @@ def _tp_size(module) -> tuple[int, str | None]:
         for dim, placement, _ in other or ():
             if not is_fsdp_placement(placement):
                 return 1, f"{name} has placement {placement} on mesh dim {dim!r}; only FSDP's Shard(0) or Replicate"
-        tp = [t for t in tp if t[2] > 1]
+        tp = [t for t in tp if t[2] > 1 and not t[1].is_replicate()]  # replicated on TP: every rank runs it whole
         if not tp:
             sizes.append(1)
             continue

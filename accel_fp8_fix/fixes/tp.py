@@ -9,8 +9,10 @@ pointed at the new Parameter objects. The model is then DTensor-native outside f
 2-D sharding, ``clip_grad_norm_`` (A9) and DCP see one kind of tensor.
 
 A module transformers gave ``replicated_with_grad_allreduce`` (Qwen3 / Gemma3 ``q_norm`` / ``k_norm``) would
-register a gradient hook on the local tensor — not a leaf — at its first forward (A15): its forward goes
-back to the module's own, and the local tensor's backward sums the gradient over the TP group instead.
+register a gradient hook on the local tensor — not a leaf — at its first forward (5.24: "post accumulate grad hooks
+cannot be registered on non-leaf tensors"), or on the DTensor parameter, whose DTensor gradient it then hands to
+``dist.all_reduce`` (5.25: "c10d.allreduce_.default does not have a sharding strategy registered") (A15): the style
+is taken off the module (either form) and the local tensor's backward sums the gradient over the TP group instead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from ..distributed.dtensor import is_dtensor
 from ..internals.accelerate_internals import prepare_one
-from ..internals.transformers_tp import grad_allreduce_original_forward
+from ..internals import transformers_features, transformers_tp
 from .local_shards import install_local_shards
 from .tp_layout import TP_ATTR
 
@@ -44,14 +46,24 @@ def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:
             module._parameters[name] = new
             mapping[old] = new
         setattr(module, TP_ATTR, (getattr(module, TP_ATTR, (None, None))[0], tp_mesh))
-        original = grad_allreduce_original_forward(module)
-        if original is not None:  # transformers' gradient all-reduce hook needs a leaf: do that sum here instead
-            if getattr(original, "__func__", None) is type(module).forward:
-                del module.forward
-            else:
-                module.forward = original
-        install_local_shards(module, names, tp_mesh, sum_grads=original is not None)
+        # transformers' gradient all-reduce hook needs a leaf and a plain gradient: that sum is done here instead
+        summed = transformers_tp.remove_grad_allreduce(module)
+        install_local_shards(module, names, tp_mesh, sum_grads=summed)
     return mapping
+
+
+def check_grad_allreduce(model: nn.Module) -> None:
+    """Before anything is wrapped: the ``replicated_with_grad_allreduce`` modules of ``model`` need that style's
+    install to be one this package takes over — its source hashes to a tested transformers release's — else this
+    prepare is refused naming them (internals/transformers_features.py). Where the install changed, a module may
+    carry the style in a form nobody knows: a model transformers' TP sharded (``_is_hooked`` modules) whose plan names
+    the style counts as using it."""
+    users = [name for name, module in model.named_modules() if transformers_tp.has_grad_allreduce(module)]
+    if not users and any(getattr(m, "_is_hooked", False) for m in model.modules()):
+        users = sorted(p for p, style in transformers_tp.plan_styles(model).items()
+                       if style == "replicated_with_grad_allreduce")
+    if users:
+        transformers_features.require("grad_allreduce", users)
 
 
 def remap_optimizer(optimizer, mapping: dict) -> None:
@@ -124,6 +136,8 @@ def prepare_tp(wrapped, instance, args, kwargs):
             "accelerator.torch_device_mesh['tp'])"
         )
     tp_mesh = instance.torch_device_mesh["tp"]
+    for model in models:
+        check_grad_allreduce(model)
     for model in models:
         mapping = replicate_plain_parameters(model, tp_mesh)
         for obj in result:

@@ -4,7 +4,9 @@ transformers 5.x installs an *instance* ``forward`` (``tp_forward``) that closes
 (``style.install_forward(module, mesh)``); the style's ``input_layouts`` / ``output_layouts`` /
 ``use_local_output`` say what that module's TP contract is. Styles whose contract this package knows are
 listed in ``KNOWN_STYLES``; any other style fails closed (the module keeps transformers' TP, in high
-precision, and the conversion report names it).
+precision, and the conversion report names it). ``replicated_with_grad_allreduce`` is installed as an instance
+``forward`` up to 5.24 and as a forward pre-hook from 5.25: both are recognised. Whether these internals are
+unchanged is checked per feature, by source hash (internals/transformers_features.py).
 """
 
 from __future__ import annotations
@@ -12,35 +14,6 @@ from __future__ import annotations
 KNOWN_STYLES = ("ColwiseParallel", "RowwiseParallel")
 EXPERTS_STYLE = "MoeExpertsParallel"  # ``moe_tp_experts``: each rank runs its shard of every expert, outputs summed
 _STYLE_ATTRS = ("input_layouts", "output_layouts", "use_local_output")
-
-
-def _version(versions=None) -> str:
-    """``transformers <version>``: from ``versions`` (the check), else from the imported transformers (a TP
-    model exists, so transformers is imported)."""
-    if versions is None:
-        import transformers
-
-        return f"transformers {transformers.__version__}"
-    return f"transformers {versions.get('transformers')}"
-
-
-def check(versions) -> list[str]:
-    """Checked when the patch set is applied if transformers' TP module is already imported (importing
-    transformers just to check it would double the cost of ``import accelerate``); otherwise the accessors
-    below fail closed at first use: an unrecognised style keeps its module in high precision, named."""
-    import sys
-
-    tp = sys.modules.get("transformers.distributed.tensor_parallel")
-    if tp is None:
-        return []
-    problems = []
-    for name in KNOWN_STYLES:
-        cls = getattr(tp, name, None)
-        if cls is None:
-            problems.append(f"{_version(versions)}: transformers.distributed.tensor_parallel.{name} is gone")
-        elif not hasattr(cls, "install_forward"):
-            problems.append(f"{_version(versions)}: {name}.install_forward is gone (TP forward is installed differently)")
-    return problems
 
 
 def tp_style(module):
@@ -65,24 +38,52 @@ def style_layouts(style):
     return style.input_layouts, style.output_layouts, style.use_local_output
 
 
-def grad_allreduce_original_forward(module):
-    """The module's own forward if transformers gave it the ``replicated_with_grad_allreduce`` style, else None.
+GRAD_ALLREDUCE_STYLE = "ReplicatedWithGradAllReduce"
 
-    That style (``ReplicatedWithGradAllReduce``: Qwen3 / Gemma3 ``q_norm`` / ``k_norm``, which see only this
-    rank's heads) keeps the parameter plain and, at each forward, registers a post-accumulate-grad hook on it
-    that all-reduces its gradient over the TP group — which needs the parameter to be a leaf. Raises (naming
-    the transformers version) when the style is recognised but its forward is no longer built as expected.
-    """
+
+def has_grad_allreduce(module) -> bool:
+    """Whether transformers gave ``module`` the ``replicated_with_grad_allreduce`` style, in either form it installs
+    it: an instance ``forward`` (``tp_forward``, 5.16-5.24) or a forward pre-hook (``tp_forward_pre_hook``, 5.25)."""
+    return _grad_allreduce_forward(module) is not None or bool(_grad_allreduce_pre_hooks(module))
+
+
+def _grad_allreduce_forward(module):
     forward = module.__dict__.get("forward")
-    if forward is None or "ReplicatedWithGradAllReduce" not in getattr(forward, "__qualname__", ""):
-        return None
-    cells = dict(zip(getattr(forward, "__code__").co_freevars, forward.__closure__ or ()))
-    if "original_forward" not in cells:
-        raise RuntimeError(
-            f"accel_fp8_fix: {_version()}: ReplicatedWithGradAllReduce's tp_forward no longer closes over "
-            "`original_forward`; this package cannot take over its gradient all-reduce"
-        )
-    return cells["original_forward"].cell_contents
+    return forward if GRAD_ALLREDUCE_STYLE in getattr(forward, "__qualname__", "") else None
+
+
+def _grad_allreduce_pre_hooks(module) -> list:
+    return [key for key, hook in module._forward_pre_hooks.items()
+            if GRAD_ALLREDUCE_STYLE in getattr(hook, "__qualname__", "")]
+
+
+def remove_grad_allreduce(module) -> bool:
+    """Take ``replicated_with_grad_allreduce`` off ``module`` (either form; True when it had it): the style registers a
+    post-accumulate-grad hook on each parameter at forward, which needs a leaf parameter and a plain gradient — the
+    caller sums the gradient over the TP group instead (fixes/tp.py). The instance ``forward`` goes back to the
+    module's own (the one the style closed over); the pre-hook is removed."""
+    forward = _grad_allreduce_forward(module)
+    if forward is not None:
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+        if "original_forward" not in cells:
+            raise RuntimeError(f"accel_fp8_fix: {GRAD_ALLREDUCE_STYLE}'s tp_forward no longer closes over "
+                               "`original_forward`; this package cannot take over its gradient all-reduce")
+        original = cells["original_forward"].cell_contents
+        if getattr(original, "__func__", None) is type(module).forward:
+            del module.forward
+        else:
+            module.forward = original
+    hooks = _grad_allreduce_pre_hooks(module)
+    for key in hooks:
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+        getattr(module, "_forward_pre_hooks_always_called", {}).pop(key, None)
+    return forward is not None or bool(hooks)
+
+
+def plan_styles(model) -> dict:
+    """{module pattern: style name} of the TP plan transformers applied to ``model`` ({} when none)."""
+    return dict(getattr(model, "_tp_plan", None) or {})
 
 
 def replace_original_forward(module, forward) -> bool:

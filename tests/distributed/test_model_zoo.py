@@ -30,7 +30,8 @@ PLAN_2D = [("sc_zoo", {"family": f, "layout": "fsdp2_tp", "out_dir": None}) for 
 PLAN_OTHER = (
     [("sc_zoo", {"family": f, "layout": l}) for l in ("fsdp2", "tp", "hsdp") for f in zoo_scenarios.FAMILIES]
     if FULL else
-    [("sc_zoo", {"family": f, "layout": "tp"}) for f in ("qwen3", "gemma3", "phi3", "qwen3_moe")]
+    [("sc_zoo", {"family": f, "layout": "tp"}) for f in ("qwen3", "gemma3", "phi3", "qwen3_moe", "exaone4")]
+    + [("sc_zoo", {"family": "exaone4", "layout": "tp", "precision": "no"})]
     + [("sc_zoo", {"family": "qwen2", "layout": "fsdp2"}), ("sc_zoo", {"family": "qwen3_moe", "layout": "hsdp"})]
 ) + [("sc_zoo", {"family": "qwen3", "layout": "fsdp2_tp", "precision": "no"}),
       ("sc_zoo", {"family": "qwen3", "layout": "fsdp2_tp_loaded"})]  # transformers' own grad all-reduce style, 2-D
@@ -57,10 +58,16 @@ def zoo(ckpt_dir):
     return _Zoo(ckpt_dir)
 
 
+# Exaone4 under TP 4 in FP8 (one head a rank): its step-0 loss is 4.5e-4 off the one-process FP8 reference (2e-4
+# allowed) and layer 0's post_feedforward_layernorm gradient 54 % (35 % allowed), deterministically; exact without
+# FP8 (the case beside it) and under FSDP2 x TP 2 — an open finding (CHANGELOG, transformers 5.25), not widened
+OPEN = {("exaone4", "tp", "fp8"): "Exaone4 FP8 under TP 4 deviates at step 0 (open finding)"}
+
+
 def _cases():
     cases = [(kw["family"], kw["layout"], "fp8") for _, kw in PLAN_2D]
     cases += [(kw["family"], kw["layout"], kw.get("precision", "fp8")) for _, kw in PLAN_OTHER]
-    return cases
+    return [pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=OPEN[c])) if c in OPEN else c for c in cases]
 
 
 @pytest.mark.parametrize("family,layout,precision", _cases(), ids=lambda v: str(v))

@@ -17,13 +17,16 @@ from support import scenarios
 PLAN_2 = [("sc_moe", {"family": f, "layout": "fsdp2", "fp8": fp8}) for f in moe_scenarios.FAMILIES for fp8 in (True, False)] + [
     ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": fp8}) for fp8 in (True, False)] + [  # TP alone, 2 ranks
     ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": False, "experts": False}),  # transformers' experts, same TP
+    ("sc_moe", {"family": "qwen3_moe", "layout": "tp", "fp8": True, "experts_tp": "default"}),  # the family's own plan
     ("sc_proportioned_coverage", {})] + [
     ("sc_moe", {"family": f, "layout": "fsdp2", "fp8": True})
     for f in moe_scenarios.MORE_FAMILIES + moe_scenarios.FSDP2_ONLY_FAMILIES]
 TP_ALONE_OFF = {"family": "qwen3_moe", "layout": "tp", "fp8": False}
 PLAN_4 = [("sc_moe", {"family": f, "layout": layout, "fp8": fp8})
           for layout in ("hsdp", "fsdp2_tp") for f in moe_scenarios.FAMILIES for fp8 in (True, False)] + [
-    ("sc_moe", {"family": f, "layout": "fsdp2_tp", "fp8": True}) for f in moe_scenarios.MORE_FAMILIES]
+    ("sc_moe", {"family": f, "layout": "fsdp2_tp", "fp8": True}) for f in moe_scenarios.MORE_FAMILIES] + [
+    # the families' own plans: from transformers 5.25 Qwen3-MoE's and Mixtral's leave the experts replicated on TP
+    ("sc_moe", {"family": f, "layout": "fsdp2_tp", "fp8": True, "experts_tp": "default"}) for f in ("qwen3_moe", "mixtral")]
 # q, k, v, o (+ a shared expert's gate, up, down); DeepSeek-V3's latent attention: q_a, q_b, kv_a, kv_b, o
 LINEARS_PER_LAYER = {"qwen3_moe": 4, "qwen2_moe": 7, "mixtral": 4, "olmoe": 4, "deepseek_v3": 8, "gpt_oss": 4}
 EXPERT_INTERMEDIATE = {"qwen3_moe": 32, "qwen2_moe": 32, "deepseek_v3": 32, "mixtral": 128, "olmoe": 128,
@@ -90,11 +93,19 @@ def _check_trains_like_the_reference(facts, kw):
 @pytest.mark.parametrize("kw", [kw for kw in CASES if kw["fp8"]],
                          ids=lambda kw: f"{kw['family']}-{kw['layout']}")
 def test_tp_layouts_and_coverage(launched, kw):
+    from support import zoo_scenarios
+
+    replicated = kw.get("experts_tp") == "default" and not zoo_scenarios.experts_tp_sharded(zoo_scenarios.build(kw["family"]))
     for f in _facts(launched, kw):
         placements = f["expert_placements"]
         gate_up, down = (placements[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_up_proj", "down_proj"))
         inter = EXPERT_INTERMEDIATE[kw["family"]]
-        if kw["layout"] == "fsdp2_tp":  # transformers' packed_colwise / rowwise shards under FSDP2's Shard(0)
+        if replicated:  # the family's plan leaves the experts alone: whole on every TP rank (FSDP2's Shard(0) on dp)
+            want = ["S(0)", "R"] if kw["layout"] == "fsdp2_tp" else ["R"]
+            assert gate_up == want and down == want
+            assert f["runner_features"] == [[64, 2 * inter], [inter, 64]]  # every expert whole
+            assert f["fp8_share_outside_lm_head"] >= 0.9, (f["fp8_share_outside_lm_head"], f["high_precision"])
+        elif kw["layout"] == "fsdp2_tp":  # transformers' packed_colwise / rowwise shards under FSDP2's Shard(0)
             assert gate_up == ["S(0)", "_S(1, 2)"] and down == ["S(0)", "S(2)"]
             assert f["runner_features"] == [[64, inter], [inter // 2, 64]]  # this rank's I / tp of every expert
         elif kw["layout"] == "tp":

@@ -322,7 +322,7 @@ def reference(family, fp8, convert, steps=STEPS):
     return losses, norms, grads
 
 
-def _prepared(family, layout):
+def _prepared(family, layout, experts_tp="tp"):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -335,7 +335,7 @@ def _prepared(family, layout):
     model = zoo_scenarios.build(family)
     model.config._experts_implementation = "eager"
     if tp:
-        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"], experts=experts_tp)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     return acc, model, opt
@@ -349,22 +349,24 @@ def _runner_calls(model) -> list:
     return calls
 
 
-def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True):
+def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True, experts_tp="tp"):
     """Train ``steps`` steps prepared by the package (experts on TE grouped GEMMs): losses, clipped grad norms
     and step-0 expert gradients vs the one-process references. ``fp8=False``: the same prepared model run with
-    its TE autocast off (eval mode: the wrapped forward turns FP8 off there), against plain transformers."""
+    its TE autocast off (eval mode: the wrapped forward turns FP8 off there), against plain transformers.
+    ``experts_tp``: under TP, the experts TP-sharded by ``moe_tp_experts`` ("tp") or as the family's own plan
+    leaves them ("default": replicated on the TP ranks from transformers 5.25)."""
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
     scenarios.ensure_rehearsal(True)
     ref = reference(family, fp8=fp8, convert=fp8, steps=steps)
     if experts:
-        acc, model, opt = _prepared(family, layout)
+        acc, model, opt = _prepared(family, layout, experts_tp)
     else:  # the experts left to transformers (everything else prepared as usual): what TP alone does
         from unittest import mock
 
         with mock.patch("accel_fp8_fix.fixes.te_convert.convert_experts", lambda *a, **k: ([], [])):
-            acc, model, opt = _prepared(family, layout)
+            acc, model, opt = _prepared(family, layout, experts_tp)
     setup = acc.accel_fp8_fix
     dp_rank, dp_size = zoo_scenarios._data_rank(acc, layout)
     per = zoo_scenarios.GLOBAL_BATCH // dp_size

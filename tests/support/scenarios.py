@@ -206,21 +206,41 @@ def tiny_llama(hidden: int = DIM, layers: int = 2, heads: int = 4, kv_heads: int
     return LlamaForCausalLM(config)
 
 
-def shard_llama_tp(model, mesh_tp):
+def shard_llama_tp(model, mesh_tp, experts: str = "default"):
     """Shard ``model`` with transformers 5.x tensor parallelism on ``mesh_tp`` (1-D, on its own ranks).
 
     Uses ``transformers.distributed.tensor_parallel.apply_tensor_parallelism`` with the model's own TP plan
     (``from_pretrained(tp_plan=...)`` shards over the whole world on CPU, docs/failures.md A18) and records the
     TP degree where accelerate's ``get_model_tp_size`` looks (``model.tp_size`` -> ``model._tp_size``).
+    ``experts="tp"``: packed experts TP-sharded by transformers' ``moe_tp_experts`` (:func:`experts_tp_plan`) —
+    the default plans' rule up to 5.24, an explicit one from 5.25; ``"default"``: the model's own plan (5.25's
+    leaves the experts replicated on the TP ranks).
     """
     from transformers.distributed.configuration_utils import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     tp_size = mesh_tp.size()
     plan = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_size))[0]
+    if experts == "tp":
+        plan = {**plan, **experts_tp_plan(model)}
+    elif experts != "default":
+        raise ValueError(f"experts={experts!r}: 'default' or 'tp'")
     apply_tensor_parallelism(model, mesh_tp, plan)
     model._tp_size = tp_size
     return model
+
+
+def experts_tp_plan(model) -> dict:
+    """transformers' expert TP rules for every ``[E, out, in]`` packed-experts module of ``model``: ``packed_colwise``
+    gate_up_proj, ``rowwise`` down_proj, ``moe_tp_experts`` on the module (Qwen3-MoE's and Mixtral's default plans
+    up to 5.24; deprecated from 5.25, "removal in v5.28.0")."""
+    plan = {}
+    for name, module in model.named_modules():
+        gate_up = module._parameters.get("gate_up_proj")
+        if gate_up is not None and gate_up.dim() == 3 and not getattr(module, "is_transposed", False):
+            plan.update({f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise",
+                         name: "moe_tp_experts"})
+    return plan
 
 
 def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16, seed: int = 1):

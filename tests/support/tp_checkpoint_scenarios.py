@@ -63,8 +63,8 @@ def _prepared(layout, world_size, seed, precision="fp8", intermediate=128, famil
                              fp8_recipe=fp8_scenarios.RECIPE, wrap_cls=[wrap] if fsdp else None,
                              expect="FSDP" if fsdp else "MULTI_GPU", **extra)
     model = _model(seed, intermediate, family)
-    if tp:
-        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
+    if tp:  # packed experts TP-sharded (moe_tp_experts): the layout whose checkpoints these scenarios test (A16)
+        model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"], experts="tp")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     return acc, model, opt

@@ -20,7 +20,7 @@ LR = 0.02
 GLOBAL_BATCH = 4
 SEQ = 16
 VOCAB = 256
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "exaone4")
 # layout: (dp_replicate, dp_shard, tp) on 4 ranks
 LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2, 2), "hsdp": (2, 2, None),
            "fsdp2_tp_loaded": (None, 2, 2)}
@@ -28,7 +28,8 @@ LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2
 LOADED = {"fsdp2_tp_loaded"}
 MOE_ONLY = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")  # built here, trained by tests/distributed/test_moe_fp8.py
 DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
-                 "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer"}
+                 "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
+                 "exaone4": "Exaone4DecoderLayer"}
 
 
 def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
@@ -56,6 +57,9 @@ def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
         config = tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    decoder_sparse_step=1, norm_topk_prob=True, **common)
         cls = tf.Qwen3MoeForCausalLM
+    elif family == "exaone4":  # post-norm layers, per-head q_norm / k_norm (replicated_with_grad_allreduce), sliding
+        config = tf.Exaone4Config(head_dim=16, sliding_window=8, **common)  # window on 3 layers of 4 (here: layer 0)
+        cls = tf.Exaone4ForCausalLM
     elif family == "qwen2_moe":  # packed experts plus a shared expert (an MLP) gated by a Linear(hidden, 1)
         config = tf.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=False,
@@ -187,12 +191,20 @@ def _full(param):
     return scenarios.full_tensor(param)
 
 
+def experts_tp_sharded(model) -> bool:
+    """Whether the family's TP plan shards its packed experts (``moe_tp_experts``: transformers <= 5.24's Qwen3-MoE
+    and Mixtral plans); from 5.25 the default plans leave them replicated on the TP ranks."""
+    return "moe_tp_experts" in dict(getattr(model, "_tp_plan", None) or {}).values()
+
+
 def _experts_convert(family: str, layout: str) -> bool:
     """Whether the ranks put this family's packed experts on TE grouped GEMMs under ``layout``: their TP-local
-    expert width (moe_intermediate_size / tp) must be a multiple of 16, TE's FP8 GEMM dim (fixes/moe_experts.py)."""
-    config = build(family).config
-    width = getattr(config, "moe_intermediate_size", None)
-    return width is None or (width // (LAYOUTS[layout][2] or 1)) % 16 == 0
+    expert width (moe_intermediate_size / tp when the plan shards them) must be a multiple of 16, TE's FP8 GEMM dim
+    (fixes/moe_experts.py)."""
+    model = build(family)
+    width = getattr(model.config, "moe_intermediate_size", None)
+    tp = (LAYOUTS[layout][2] or 1) if experts_tp_sharded(model) else 1
+    return width is None or (width // tp) % 16 == 0
 
 
 def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_dir=None, recipe=None):
