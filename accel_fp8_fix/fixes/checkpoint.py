@@ -4,6 +4,12 @@ parameters through sharded checkpoints (A16, ``packed_checkpoint``)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+
+import torch
+
 from ..internals.accelerate_internals import prepared_models
 from ..internals.transformer_engine import keep_fp8_checkpoint
 from . import ep_checkpoint, packed_checkpoint, tp_checkpoint
@@ -74,27 +80,55 @@ def _fp8_state_keys(accelerator, model) -> list[str]:
     """State-dict keys of the ``_extra_state`` of the TE modules this package's prepare created or set up in
     ``model`` (every converted Linear / LayerNorm, every TE module with FP8 state); none when it did not prepare
     ``model``."""
+    return [key for key, _ in _fp8_state_modules(accelerator, model)]
+
+
+def _fp8_state_modules(accelerator, model) -> list:
+    """[(state-dict key of its ``_extra_state``, module)] of those TE modules."""
     setup = getattr(accelerator, "accel_fp8_fix", None)
     conversion = getattr(setup, "conversion", None)
     if conversion is None or getattr(setup, "model", None) is not model:
         return []
     ours = {id(m) for m in conversion.te_modules}
     converted = set(conversion.converted)
-    keys = []
+    found = []
     for name, module in model.named_modules():
         if id(module) in ours or name in converted:
             parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
-            keys.append(".".join([*parts, EXTRA_STATE]))
-    return keys
+            found.append((".".join([*parts, EXTRA_STATE]), module))
+    return found
+
+
+@contextlib.contextmanager
+def extra_state_sized_as(accelerator, input_dir):
+    """While a sharded checkpoint loads: each TE module this package prepared hands DCP an ``_extra_state`` buffer of
+    the checkpoint's byte count, not of its own current pickle's. TE's ``_extra_state`` is a pickle whose length
+    varies with what the process ran (a recompute under activation checkpointing adds an entry to ``fp8_meta``:
+    2201 -> 2241 bytes), so a run resumed in a fresh process would otherwise meet a size mismatch for state that is
+    the same; TE's ``set_extra_state`` then unpickles the bytes DCP read into it."""
+    sizes = tp_checkpoint.extra_state_sizes(os.path.expanduser(str(input_dir))) if input_dir else {}
+    swapped = []
+    for model in prepared_models(accelerator) if sizes else ():
+        for key, module in _fp8_state_modules(accelerator, model):
+            if sizes.get(key):
+                module.get_extra_state = functools.partial(torch.empty, sizes[key], dtype=torch.uint8)
+                swapped.append(module)
+    try:
+        yield
+    finally:
+        for module in swapped:
+            del module.get_extra_state
 
 
 def load_state(wrapped, instance, args, kwargs):
     """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group). A sharded
     checkpoint DCP cannot load into the prepared models is refused by name first (A21); TP-packed parameters are
     read chunk by chunk into their row ranges (A16)."""
+    input_dir = args[0] if args else kwargs.get("input_dir")
     with ep_checkpoint.expert_parallel_fp8_state(instance):  # the keys the check compares are the ones DCP reads
-        tp_checkpoint.check_sharded_load(instance, args[0] if args else kwargs.get("input_dir"))
-        with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance):
+        tp_checkpoint.check_sharded_load(instance, input_dir)
+        with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance), \
+                extra_state_sized_as(instance, input_dir):
             result = wrapped(*args, **kwargs)  # TP without FSDP: models / optimizers through DCP (A21)
     setup = _fp8_setup(instance)
     if setup is not None:

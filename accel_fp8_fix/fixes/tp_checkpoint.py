@@ -117,7 +117,7 @@ def load_sharded(accelerator, input_dir: str) -> None:
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     pairs = _pairs(accelerator)
-    refuse_unreshardable(accelerator, input_dir, pairs)  # every model and optimizer, before anything is read
+    _refuse_on_every_rank(accelerator, input_dir, pairs)  # every model and optimizer, before anything is read
     for i, (model, optimizer) in enumerate(pairs):
         model_dir, optim_dir = _dirs(input_dir, i)
         state = {"model": get_model_state_dict(model)}
@@ -150,9 +150,57 @@ def _problems(ckpt_dir: str, wanted: dict) -> list[str]:
         name = key.partition(".")[2]  # without DCP's top-level "model." / "optimizer."
         if entry is None:
             problems.append(f"{name} is not in the checkpoint")
-        elif hasattr(entry, "size") and tuple(entry.size) != shape:
+        elif hasattr(entry, "size") and tuple(entry.size) != shape and not _same_kind_of_fp8_state(
+                key, tuple(entry.size), shape):
             problems.append(f"{name} is {tuple(entry.size)} in the checkpoint but {shape} in this model")
     return problems
+
+
+def _same_kind_of_fp8_state(key: str, saved: tuple, here: tuple) -> bool:
+    """A TE ``_extra_state`` is a pickle: its byte count is no layout property (a recompute adds an entry, other
+    processes pickle other lengths) and the load resizes it to the checkpoint's (fixes/checkpoint.py:
+    ``extra_state_sized_as``). FP8 state on one side and none on the other still differ (bf16 into FP8)."""
+    return key.endswith("._extra_state") and len(saved) == len(here) == 1 and (saved[0] > 0) == (here[0] > 0)
+
+
+def extra_state_sizes(input_dir: str) -> dict:
+    """{state-dict key of a TE ``_extra_state``: its byte count} in model 0's sharded checkpoint (empty when there is
+    none); read from DCP's metadata, no tensor read."""
+    import torch.distributed.checkpoint as dcp
+
+    model_dir = _dirs(input_dir, 0)[0]
+    if not os.path.isdir(model_dir):
+        return {}
+    metadata = dcp.FileSystemReader(model_dir).read_metadata().state_dict_metadata
+    return {key.partition(".")[2]: int(entry.size[0]) for key, entry in metadata.items()
+            if key.endswith("._extra_state") and hasattr(entry, "size") and len(entry.size) == 1}
+
+
+def _refuse_on_every_rank(accelerator, input_dir: str, pairs) -> None:
+    """:func:`refuse_unreshardable` decided by the ranks together: a refusal (or a failure to read the checkpoint's
+    metadata) on any rank raises on every rank, naming the rank — never one rank leaving while the others wait in
+    DCP's collectives."""
+    from ..distributed import collectives
+
+    try:
+        refuse_unreshardable(accelerator, input_dir, pairs)
+        mine = None
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised on every one
+        mine = f"{type(exc).__name__}: {exc}"
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None:  # one rank, or a plain FSDP2 run without a ParallelismConfig: every rank of the world
+        import torch.distributed as dist
+
+        group = dist.group.WORLD if dist.is_initialized() else None
+        found = [mine] if group is None else collectives.all_gather_object(mine, group=group,
+                                                                             name="load_state refusal")
+    else:
+        found = collectives.all_gather_object(mine, mesh, name="load_state refusal")
+    failed = [(rank, error) for rank, error in enumerate(found) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        message = error.split(": ", 1)[1] if error.startswith("ValueError: ") else error
+        raise ValueError(message if len(failed) == len(found) else f"{message} (on rank {rank} of the mesh)")
 
 
 def refuse_unreshardable(accelerator, input_dir: str, pairs=None) -> None:
@@ -211,4 +259,4 @@ def check_sharded_load(accelerator, input_dir) -> None:
         return
     input_dir = os.path.expanduser(str(input_dir))
     if os.path.isdir(_dirs(input_dir, 0)[0]):
-        refuse_unreshardable(accelerator, input_dir)
+        _refuse_on_every_rank(accelerator, input_dir, None)

@@ -147,8 +147,16 @@ def test_checkpoint_saved_on_4_ranks_loads_on_2_bit_for_bit(tmp_path):
     assert any(k.endswith("_extra_state") for k in keys) and any(k.endswith("fc1.weight") for k in keys)
     # the export (get_state_dict's default unwrap=True, what save_model writes): every weight, no FP8 state
     assert first["export_keys"] == sorted(k for k in keys if not k.endswith("_extra_state"))
-    loaded = scenarios.launch(fp8_scenarios, [("sc_checkpoint_load", {"out_dir": str(tmp_path)})], 2)
-    for f in scenarios.facts_of(loaded, "sc_checkpoint_load"):
+    plan = [("sc_checkpoint_load", {"out_dir": str(tmp_path)}),
+            ("sc_checkpoint_load", {"out_dir": str(tmp_path), "recompute_entry": True})]
+    loaded = scenarios.launch(fp8_scenarios, plan, 2)
+    # a loading model whose TE pickles are longer than the checkpoint's (TE's recompute entry: gradient
+    # checkpointing in the resumed run) loads the same state: the _extra_state buffers take the checkpoint's size
+    for f in scenarios.plan_facts(loaded, plan, "sc_checkpoint_load", plan[1][1]):
+        grown = f["extra_state_sizes"]
+        assert len(grown) == 5 and all(after > before > 0 for before, after in grown.values()), grown
+    for f in (scenarios.facts_of(loaded, "sc_checkpoint_load")
+              + scenarios.plan_facts(loaded, plan, "sc_checkpoint_load", plan[1][1])):
         assert f["missing"] == [] and f["mismatched"] == []
         assert f["extra_state_keys"] == 7 and f["nonempty_extra_state"] == 5  # FP8 state of every TE Linear; +2 empty ones of the converted te.LayerNorms (TE's op-based norms have _extra_state)
         assert f["fp8_state_identical"]

@@ -395,8 +395,11 @@ def sc_checkpoint_save(rank, world_size, out_dir):
     return {"keys": sorted(full) if rank == 0 else None, "export_keys": sorted(export) if rank == 0 else None}
 
 
-def sc_checkpoint_load(rank, world_size, out_dir):
-    """A fresh model on another world size loads the checkpoint: every weight and FP8 state bit for bit."""
+def sc_checkpoint_load(rank, world_size, out_dir, recompute_entry=False):
+    """A fresh model on another world size loads the checkpoint: every weight and FP8 state bit for bit.
+    ``recompute_entry``: first, each TE module's FP8 metadata gets the entry TE's activation-checkpoint recompute
+    adds (``copy_forward_fp8_meta_tensors_for_recompute``, what a resumed run with gradient checkpointing meets):
+    its ``_extra_state`` pickle is then longer than the checkpoint's (2201 -> 2241 bytes)."""
     import torch
 
     from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
@@ -406,6 +409,15 @@ def sc_checkpoint_load(rank, world_size, out_dir):
     model = scenarios.block_stack(seed=123)  # different init: everything must come from the checkpoint
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
+    sizes = {}
+    if recompute_entry:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        for name, module in model.named_modules():
+            if hasattr(module, "fp8_meta") and "scaling_fwd" in module.fp8_meta:
+                before = module.get_extra_state().numel()
+                FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute(module.fp8_meta)
+                sizes[name] = (before, module.get_extra_state().numel())
     acc.load_state(os.path.join(out_dir, "ckpt"))
     full = acc.get_state_dict(model, unwrap=False)  # gathered on rank 0 only
     if rank != 0:
@@ -425,7 +437,7 @@ def sc_checkpoint_load(rank, world_size, out_dir):
     return {"mismatched": mismatched, "missing": missing, "extra_state_keys": len(extra_state_keys),
             "fp8_mismatched": fp8_mismatched, "fp8_compared": len(ref_fp8),
             "fp8_nontrivial": sum(int(float(v.float().abs().sum()) not in (0.0, v.numel())) for v in ref_fp8.values()),
-            "nonempty_extra_state": len(nonempty), "fp8_state_identical": same_fp8}
+            "nonempty_extra_state": len(nonempty), "fp8_state_identical": same_fp8, "extra_state_sizes": sizes}
 
 
 # The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
