@@ -161,6 +161,35 @@ def te_version(versions: Mapping[str, str | None]) -> str | None:
     return versions.get("transformer-engine") or versions.get("transformer_engine")
 
 
+def meta_package_only(versions: Mapping[str, str | None]) -> str | None:
+    """What is wrong when ``pip install transformer-engine`` (no ``[pytorch]``) gave TE's empty meta package — its
+    Python with no compiled library and no ``transformer_engine_torch`` (TE then refuses at import: "Found empty
+    `transformer-engine` meta package installed") — naming the fix; None otherwise. Read from metadata only; never
+    said under the CPU rehearsal, whose kernel shim stands in for exactly those libraries."""
+    from importlib import metadata
+
+    from .. import settings
+
+    installed = te_version(versions)
+    if installed is None or settings.get(settings.REHEARSAL):
+        return None
+    try:
+        metadata.version("transformer_engine_torch")
+        return None
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        files = metadata.distribution("transformer-engine").files or ()
+    except metadata.PackageNotFoundError:
+        return None
+    if any(str(f).endswith(".so") for f in files):
+        return None  # a build from source: TE's libraries are in its own distribution
+    return (f"transformer-engine {installed} is TE's meta package without its PyTorch extension "
+            "(transformer_engine_torch is not installed): Transformer Engine refuses at import (\"Found empty "
+            f"`transformer-engine` meta package installed\"), so FP8 cannot run; install "
+            f"`pip install \"transformer-engine[pytorch]=={installed}\"` (or this package's `te` extra)")
+
+
 def check(versions: Mapping[str, str | None]) -> list[str]:
     from . import missing_from_sources, package_root
 
@@ -171,6 +200,11 @@ def check(versions: Mapping[str, str | None]) -> list[str]:
     version = f"transformer-engine {installed}"
     if root is None:
         return [f"{version}: transformer_engine not found"]
+    meta_only = meta_package_only(versions)
+    if meta_only:  # not a reason to refuse the set (its bf16 / FSDP2 x TP fixes still apply): said once, by name
+        from .._log import warn_user
+
+        warn_user(f"accel_fp8_fix: {meta_only}")
     problems = missing_from_sources(root, _SOURCES, version)
     for what, alternatives in _FORKS:
         if all(missing_from_sources(root, (alternative,), version) for alternative in alternatives):
