@@ -6,7 +6,8 @@
 
 The registry is asked past this machine's local pip cap (``PIP_CONFIG_FILE`` left out: this image's global
 constraint file hides torch > 2.14.1 from ``pip index``). A row's *window* column is what each patch set declares
-(``patches/*.toml`` ``[requires]`` / ``[compatible]``); *pinned* is what ``scripts/setup.sh`` installs for the suite.
+(``patches/*.toml`` ``[requires]`` / ``[compatible]``, and ``[tested]`` for transformers: outside it the set still
+applies and serves what its source hashes verify); *pinned* is what ``scripts/setup.sh`` installs for the suite.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def rows() -> list[dict]:
     for dist in DISTRIBUTIONS:
         released = registry_versions(dist)
         newest = released[0] if isinstance(released, list) and released else None
-        windows = {s.name: s.requires.get(dist) or s.compatible.get(dist) for s in sets}
+        windows = {s.name: s.requires.get(dist) or s.compatible.get(dist) or s.tested.get(dist) for s in sets}
         windows = {name: spec for name, spec in windows.items() if spec is not None}
         inside = {name: spec.contains(newest) for name, spec in windows.items()} if newest else {}
         out.append({"distribution": dist, "newest": str(newest) if newest else released,

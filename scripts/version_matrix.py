@@ -4,6 +4,12 @@
     python scripts/version_matrix.py 2.7 2.9 2.14            # minors: the newest patch pip finds
     python scripts/version_matrix.py 2.9.1 --tests tests/distributed/test_fsdp2_fp8.py
     python scripts/version_matrix.py --table-only            # rewrite the docs table from stored results
+    python scripts/version_matrix.py --newest --tests tests/distributed/test_tp_fp8.py   # CI's canary
+
+``--newest`` (CI's canary): the registry's newest torch, accelerate, transformers and Transformer Engine, resolved
+when it runs, in one venv. ``tests/network/test_canary.py`` runs first (the news, and the package's verified
+behaviour on those releases); the ``--tests`` run only when every one of them is inside its declared window (a
+release inside a window that fails them is a broken promise: a red CI); outside, the canary's checks are the run.
 
 For each torch version: a venv under ``--root`` (default ``.matrix/``, ignored by git) with that torch
 (the registry's builds — CUDA ones run on CPU), then this checkout (editable) with its ``test`` and
@@ -34,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "compatibility.md"
 START, END = "<!-- version-matrix:start -->", "<!-- version-matrix:end -->"
 # The pins the suite is written against (scripts/setup.sh); torch is the only variable here.
-PINS = {"accelerate": "1.16.0", "transformers": "5.24.0", "transformer-engine": "2.20.2"}
+PINS = {"accelerate": "1.16.0", "transformers": "5.25.0", "transformer-engine": "2.20.2"}
 LOCK = os.environ.get("ACCEL_FP8_FIX_TEST_LOCK", "/tmp/accel_fp8_fix.mp.lock")  # "0": none, as in scripts/test.sh
 
 
@@ -123,11 +129,11 @@ class _Lock:
 
 
 def run_suite(python: Path, spec: str, root: Path, tests: list[str], lock: str | None, timeout: float,
-              pytest_args: list[str]) -> dict:
+              pytest_args: list[str], extra_env: dict | None = None) -> dict:
     results = root / "results"
     results.mkdir(parents=True, exist_ok=True)
     junit = results / f"torch-{spec}.xml"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # (bytecode caches: tests/conftest.py keeps them)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}  # (bytecode caches: tests/conftest.py keeps them)
     env.pop("VIRTUAL_ENV", None)
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"  # accelerate launch etc. of this venv
     cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args, *tests]
@@ -223,6 +229,46 @@ def write_table(root: Path, doc: Path) -> None:
     log(f"table written to {doc}")
 
 
+CANARY = "tests/network/test_canary.py"
+WINDOWS = """
+import json
+from accel_fp8_fix import _api
+s = _api.choose_patch_set("fix")
+print(json.dumps({"supported": s.supported, "reason": s.reason,
+                  "outside_tested": s.patch_set.outside_tested(s.versions) if s.patch_set else []}))
+"""
+
+
+def newest() -> tuple[str, dict]:
+    """(the registry's newest torch, {accelerate, transformers, transformer-engine: the registry's newest})."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from newest_releases import registry_versions
+
+    found = {}
+    for name in ("torch", *PINS):
+        released = registry_versions(name)
+        if isinstance(released, str) or not released:
+            raise SystemExit(f"version-matrix: --newest: {name}: {released or 'no release'}")
+        found[name] = str(released[0])
+    log("the registry's newest: " + ", ".join(f"{k} {v}" for k, v in found.items()))
+    return found.pop("torch"), found
+
+
+def canary_tests(python: Path, tests: list[str]) -> list[str]:
+    """The canary's tests for the venv of ``python``: its own file, then ``tests`` when every release is inside."""
+    out = subprocess.run([str(python), "-c", WINDOWS], capture_output=True, text=True, cwd=REPO)
+    verdict = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    if verdict is None:
+        log(f"canary: could not read the windows: {out.stderr[-1000:]}")
+        return [CANARY]
+    news = verdict["outside_tested"] + ([] if verdict["supported"] else [verdict["reason"]])
+    if news:
+        log("canary: NEWS (outside a declared window): " + "; ".join(news) + f" — running {CANARY} only")
+        return [CANARY]
+    log("canary: every newest release is inside its declared window: the files must pass")
+    return [CANARY, *tests]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -236,6 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-lock", action="store_true", help="run without the shared test lock")
     parser.add_argument("--remove-venv", action="store_true", help="delete each venv after its run (disk: ~7 GB each)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per pip install and per suite run")
+    parser.add_argument("--newest", action="store_true",
+                        help="CI's canary: the registry's newest torch and pins, resolved now (no torch argument)")
     for name, version in PINS.items():
         parser.add_argument(f"--{name}", default=version, help=f"pinned {name} (default {version})")
     args = parser.parse_args(argv)
@@ -243,9 +291,14 @@ def main(argv=None) -> int:
     if args.table_only:
         write_table(root, DOC)
         return 0
+    pins = {name: getattr(args, name.replace("-", "_")) for name in PINS}
+    if args.newest:
+        if args.torch:
+            parser.error("--newest resolves torch itself: name no torch version")
+        torch_version, pins = newest()
+        args.torch = [torch_version]
     if not args.torch:
         parser.error("name at least one torch version")
-    pins = {name: getattr(args, name.replace("-", "_")) for name in PINS}
     status = 0
     for spec in args.torch:
         torch_requirement(spec)
@@ -257,8 +310,9 @@ def main(argv=None) -> int:
             continue
         if args.build_only:
             continue
-        record = run_suite(python, spec, root, args.tests, None if args.no_lock or LOCK == "0" else LOCK, args.timeout,
-                           args.pytest_args.split())
+        tests = canary_tests(python, args.tests) if args.newest else args.tests
+        record = run_suite(python, spec, root, tests, None if args.no_lock or LOCK == "0" else LOCK, args.timeout,
+                           args.pytest_args.split(), {"ACCEL_FP8_FIX_CANARY": "1"} if args.newest else None)
         log(f"torch {record['versions']['torch']}: {record['passed']} passed, {record['failed']} failed, "
             f"{record['skipped']} skipped in {record['seconds']} s (exit {record['exit']})")
         status |= record["exit"] != 0

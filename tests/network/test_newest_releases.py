@@ -40,11 +40,11 @@ def test_every_distribution_has_a_pin_and_the_patched_ones_a_window(releases):
     for dist, row in found.items():
         assert row["pinned"], f"{dist}: no pin in scripts/setup.sh"
         assert Version(row["pinned"]) <= Version(row["newest"]), f"{dist}: pin {row['pinned']} was never released"
-    for dist in ("torch", "accelerate", "transformer-engine"):
+    for dist in ("torch", "accelerate", "transformer-engine", "transformers"):
         assert found[dist]["windows"], f"{dist}: no patch set declares a window"
 
 
-@pytest.mark.parametrize("dist", ["torch", "accelerate", "transformer-engine"])
+@pytest.mark.parametrize("dist", ["torch", "accelerate", "transformer-engine", "transformers"])
 def test_the_newest_release_is_inside_every_window(releases, dist):
     row = releases[1][dist]
     outside = [name for name, inside in row["newest_inside"].items() if not inside]
@@ -54,17 +54,18 @@ def test_the_newest_release_is_inside_every_window(releases, dist):
                     f"(or try it now with ACCEL_FP8_FIX_PATCH_SET)")
 
 
-def test_ci_tests_the_newest_torch_minor_the_window_claims(releases):
-    _, found = releases
-    ci = (REPO / "scripts" / "ci_torch_window.sh").read_text()
-    ends = re.findall(r"--\s+(\d+\.\d+)\s+\|\|", ci) + re.findall(r"--remove-venv\s+(\d+\.\d+)\s+\|\|", ci)
-    newest_ci = max(ends, key=Version)
-    module = _script()
-    released = module.registry_versions("torch")
+def test_ci_runs_the_window_low_ends_and_the_registrys_newest(releases):
+    """CI's window phase (scripts/ci_torch_window.sh): the oldest torch minor the window claims with the oldest
+    transformers the tested window claims, and the canary, which resolves the registry's newest of all four
+    distributions when it runs (so it cannot fall behind a release)."""
     from accel_fp8_fix.engine import load_patch_sets
 
-    window = next(s for s in load_patch_sets() if s.name == "accelerate-1.13-1.16").requires["torch"]
-    claimed = [v for v in released if window.contains(v)]
-    newest_minor = f"{claimed[0].major}.{claimed[0].minor}"
-    assert newest_ci == newest_minor, (f"scripts/ci_torch_window.sh's newest end is {newest_ci}; the newest torch "
-                                       f"the window {window} claims is {claimed[0]}")
+    ci = (REPO / "scripts" / "ci_torch_window.sh").read_text()
+    assert re.search(r"version_matrix\.py [^\n]*--newest", ci), "the canary is gone from CI"
+    fix_set = next(s for s in load_patch_sets() if s.name == "accelerate-1.13-1.16")
+    low = re.search(r"--transformers (\d+\.\d+\.\d+) (\d+\.\d+) ", ci)
+    assert low, "CI's low end names no torch / transformers"
+    lower = {name: min((Version(one.version) for one in spec if one.operator == ">="), default=None)
+             for name, spec in (("torch", fix_set.requires["torch"]), ("transformers", fix_set.tested["transformers"]))}
+    assert Version(low.group(2)) == lower["torch"], (low.group(2), lower)
+    assert Version(low.group(1)).release[:2] == lower["transformers"].release[:2], (low.group(1), lower)
