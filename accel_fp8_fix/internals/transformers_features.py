@@ -112,33 +112,39 @@ def _transformers_version(versions) -> str | None:
 
 def verdicts(versions=None, root=None, features=None) -> dict[str, Verdict]:
     """Each feature's verdict for the installed transformers (or the tree at ``root``: a wheel's ``transformers``
-    folder); {} when transformers is not installed. Cached for the installed one."""
-    from . import changed_blocks, package_root
+    folder); {} when transformers is not installed. Cached for the installed one. Each file is read once and each
+    block hashed once."""
+    from . import block_sha256, package_root
 
     features = FEATURES if features is None else features
     cached = root is None and features is FEATURES
     if cached and "verdicts" in _CACHE:
         return _CACHE["verdicts"]
     where = root if root is not None else package_root("transformers")
-    out = {}
+    out, texts = {}, {}
     if where is not None:
         version = f"transformers {_transformers_version(versions) if root is None else where}"
         for name, (_, blocks) in features.items():
-            problems = changed_blocks(where, blocks, version)
-            releases = set.intersection(*(_matching(where, key, known) for key, known in blocks.items())) \
-                if not problems else set()
-            out[name] = Verdict(name, not problems, tuple(sorted(releases)), tuple(problems))
+            problems, releases = [], None
+            for (file, qualname, *anchor), known in blocks.items():
+                if file not in texts:
+                    path = where / file
+                    texts[file] = path.read_text() if path.exists() else None
+                found = block_sha256(texts[file], qualname, *anchor) if texts[file] is not None else None
+                shown = f"{qualname} ({anchor[0]!r})" if anchor else qualname
+                if found is None:
+                    problems.append(f"{version}: {where.name}/{file}: {shown} is gone")
+                elif found not in known.values():
+                    problems.append(f"{version}: {where.name}/{file}: {shown} changed (source sha256 {found}; "
+                                    f"written against {', '.join(f'{v} {h}' for v, h in sorted(known.items()))})")
+                else:
+                    same = {release for release, sha in known.items() if sha == found}
+                    releases = same if releases is None else releases & same
+            out[name] = Verdict(name, not problems, tuple(sorted(releases or ())) if not problems else (),
+                                tuple(problems))
     if cached:
         _CACHE["verdicts"] = out
     return out
-
-
-def _matching(root, key, known: dict) -> set:
-    from . import block_sha256
-
-    name, qualname, *anchor = key
-    found = block_sha256((root / name).read_text(), qualname, *anchor)
-    return {release for release, sha in known.items() if sha == found}
 
 
 def reset() -> None:
