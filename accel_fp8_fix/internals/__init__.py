@@ -129,7 +129,14 @@ def changed_blocks(root, hashed: dict, version: str) -> list[str]:
     """Problems for each ``(file under root, qualname[, anchor]): {release: sha256}`` of ``hashed`` whose block (or
     anchored statement) is gone or hashes to none of the releases' — the check that tells "unchanged" from "still
     mentions a string". Each file is read once."""
-    problems, texts = [], {}
+    return [problem for problem, _ in hashed_blocks(root, hashed, version).values() if problem]
+
+
+def hashed_blocks(root, hashed: dict, version: str, texts: dict | None = None) -> dict:
+    """{key: (problem or "", the releases whose sha256 the block has)} for each entry of ``hashed`` (as
+    :func:`changed_blocks`); ``texts``: file contents already read, shared between calls."""
+    texts = {} if texts is None else texts
+    out = {}
     for key, known in hashed.items():
         name, qualname, *anchor = key
         if name not in texts:
@@ -139,12 +146,15 @@ def changed_blocks(root, hashed: dict, version: str) -> list[str]:
                 texts[name] = None
         found = block_sha256(texts[name], qualname, *anchor) if texts[name] is not None else None
         where = f"{qualname} ({anchor[0]!r})" if anchor else qualname
+        releases = {release for release, sha in known.items() if sha == found}
+        problem = ""
         if found is None:
-            problems.append(f"{version}: {root.name}/{name}: {where} is gone")
-        elif found not in known.values():
-            problems.append(f"{version}: {root.name}/{name}: {where} changed (source sha256 {found}; written "
-                            f"against {', '.join(f'{v} {h}' for v, h in sorted(known.items()))})")
-    return problems
+            problem = f"{version}: {root.name}/{name}: {where} is gone"
+        elif not releases:
+            problem = (f"{version}: {root.name}/{name}: {where} changed (source sha256 {found}; written against "
+                       f"{', '.join(f'{v} {h}' for v, h in sorted(known.items()))})")
+        out[key] = (problem, releases)
+    return out
 
 
 def package_root(name: str):

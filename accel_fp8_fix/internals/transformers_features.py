@@ -114,7 +114,7 @@ def verdicts(versions=None, root=None, features=None) -> dict[str, Verdict]:
     """Each feature's verdict for the installed transformers (or the tree at ``root``: a wheel's ``transformers``
     folder); {} when transformers is not installed. Cached for the installed one. Each file is read once and each
     block hashed once."""
-    from . import block_sha256, package_root
+    from . import hashed_blocks, package_root
 
     features = FEATURES if features is None else features
     cached = root is None and features is FEATURES
@@ -125,23 +125,10 @@ def verdicts(versions=None, root=None, features=None) -> dict[str, Verdict]:
     if where is not None:
         version = f"transformers {_transformers_version(versions) if root is None else where}"
         for name, (_, blocks) in features.items():
-            problems, releases = [], None
-            for (file, qualname, *anchor), known in blocks.items():
-                if file not in texts:
-                    path = where / file
-                    texts[file] = path.read_text() if path.exists() else None
-                found = block_sha256(texts[file], qualname, *anchor) if texts[file] is not None else None
-                shown = f"{qualname} ({anchor[0]!r})" if anchor else qualname
-                if found is None:
-                    problems.append(f"{version}: {where.name}/{file}: {shown} is gone")
-                elif found not in known.values():
-                    problems.append(f"{version}: {where.name}/{file}: {shown} changed (source sha256 {found}; "
-                                    f"written against {', '.join(f'{v} {h}' for v, h in sorted(known.items()))})")
-                else:
-                    same = {release for release, sha in known.items() if sha == found}
-                    releases = same if releases is None else releases & same
-            out[name] = Verdict(name, not problems, tuple(sorted(releases or ())) if not problems else (),
-                                tuple(problems))
+            found = hashed_blocks(where, blocks, version, texts).values()
+            problems = tuple(problem for problem, _ in found if problem)
+            releases = set.intersection(*(set(r) for _, r in found)) if found and not problems else set()
+            out[name] = Verdict(name, not problems, tuple(sorted(releases)), problems)
     if cached:
         _CACHE["verdicts"] = out
     return out
