@@ -36,7 +36,8 @@ def tree(where: str | None, package: str, scratch: Path) -> Path:
     path = Path(where)
     if path.suffix == ".whl":
         with zipfile.ZipFile(path) as wheel:
-            wheel.extractall(scratch, [n for n in wheel.namelist() if n.startswith(f"{package}/") and n.endswith(".py")])
+            sources = [n for n in wheel.namelist() if n.startswith(f"{package}/") and n.endswith(".py")]
+            wheel.extractall(scratch, sources)
         return scratch / package
     if not path.is_dir():
         raise SystemExit(f"source_hashes: {where} is neither a wheel nor a folder")
@@ -74,7 +75,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         root = tree(args.where, package, Path(scratch))
         for table, name, where, found, same in rows(root, tables):
-            verdict = "= " + ", ".join(same) if same else ("GONE" if found is None else "NEW (no release recorded has it)")
+            verdict = ("= " + ", ".join(same) if same else
+                       "GONE" if found is None else "NEW (no release recorded has it)")
             print(f"{table:22} {name:34} {where:50} {found or '-':16}  {verdict}")
     return 0
 

@@ -31,9 +31,10 @@ TP (``moe_tp_experts`` with ``packed_colwise`` gate_up / ``rowwise`` down) keeps
 output transforms: the forward here is what transformers' TP forward calls, on the local shards it hands in
 (each rank: its ``I / tp`` slice of every expert, outputs summed by the style). Experts a TP plan leaves alone —
 transformers 5.25's default Qwen3-MoE / Mixtral plans — are replicated on the TP ranks (``Replicate`` on ``tp``,
-fixes/tp.py): every TP rank runs every expert whole on the same tokens, their gradients alike on every TP rank. Refused by name (kept in high
-precision, in the conversion report): expert parallelism, non-gated experts, a post-expert norm, TP-sharded
-transposed experts, a TP layout other than the one above, local dims that are not a multiple of the recipe's.
+fixes/tp.py): every TP rank runs every expert whole on the same tokens, their gradients alike on every TP rank.
+Refused by name (kept in high precision, in the conversion report): non-gated experts, a post-expert norm,
+TP-sharded transposed experts, a TP layout other than the ones above, an expert-parallel dispatch this package does
+not know, local dims that are not a multiple of the recipe's.
 
 Why GroupedLinear on views (and not E ``te.Linear`` or a new parameter layout): one grouped GEMM per
 projection with ``num_gemms=E`` FP8 metadata is what TE's MoE path (Megatron-core ``TEGroupedLinear``) runs;

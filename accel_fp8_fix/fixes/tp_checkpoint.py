@@ -176,14 +176,16 @@ def extra_state_sizes(input_dir: str) -> dict:
             if key.endswith("._extra_state") and hasattr(entry, "size") and len(entry.size) == 1}
 
 
-def _refuse_on_every_rank(accelerator, input_dir: str, pairs) -> None:
+def _refuse_on_every_rank(accelerator, input_dir: str, pairs, only_if_present: bool = False) -> None:
     """:func:`refuse_unreshardable` decided by the ranks together: a refusal (or a failure to read the checkpoint's
     metadata) on any rank raises on every rank, naming the rank — never one rank leaving while the others wait in
-    DCP's collectives."""
+    DCP's collectives. ``only_if_present``: a rank that does not see model 0's sharded checkpoint has nothing to
+    refuse (every rank still takes part in the agreement)."""
     from ..distributed import collectives
 
     try:
-        refuse_unreshardable(accelerator, input_dir, pairs)
+        if not only_if_present or os.path.isdir(_dirs(input_dir, 0)[0]):
+            refuse_unreshardable(accelerator, input_dir, pairs)
         mine = None
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised on every one
         mine = f"{type(exc).__name__}: {exc}"
@@ -257,6 +259,4 @@ def check_sharded_load(accelerator, input_dir) -> None:
     if (input_dir is None or not getattr(accelerator, "is_fsdp2", False) or plugin is None
             or "SHARDED" not in str(getattr(plugin, "state_dict_type", ""))):
         return
-    input_dir = os.path.expanduser(str(input_dir))
-    if os.path.isdir(_dirs(input_dir, 0)[0]):
-        _refuse_on_every_rank(accelerator, input_dir, None)
+    _refuse_on_every_rank(accelerator, os.path.expanduser(str(input_dir)), None, only_if_present=True)
