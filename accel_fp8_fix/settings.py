@@ -217,6 +217,12 @@ REGISTRY: dict = {s.name: s for s in (
             default="the target's"),
     Setting("ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM", "enum", "1: the CPU rehearsal models Hopper's FP8 fast "
             "accumulation (docs/rehearsal.md)", choices={"0": "off", "1": "on"}, owner="rehearsal", default="0"),
+    Setting("ACCEL_FP8_FIX_REHEARSAL_TF32", "enum", "how the CPU rehearsal rounds the operands of TE's all-fp32 "
+            "GEMMs, which TE runs in TF32 on the device (docs/rehearsal.md)",
+            choices={"auto": "to nearest (ties away) where the target's capability is >= 8.0, else off",
+                     "rna": "to nearest, ties away from zero (cvt.rna.tf32.f32)", "truncate": "toward zero",
+                     "off": "exact fp32 (a wiring check's bit-for-bit comparison)"},
+            owner="rehearsal", default="auto"),
 )}
 
 

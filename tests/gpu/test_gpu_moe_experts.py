@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from support.real_te import GemmSpy, reset_accelerate, single_rank_process_group, torch  # noqa: E402
+from support import tolerances  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +126,11 @@ def test_gpt_oss_experts_transposed_with_biases_match_transformers_on_real_te():
         out.sum().backward()
         return [out.detach(), h.grad] + [p.grad.clone() for p in module.parameters(recurse=False)]
 
-    want = run(ref, False)
-    for fp8, tolerance in ((False, 1e-3), (True, 0.15)):
+    want = run(ref, False)  # torch's own fp32 GEMMs (torch.backends.cuda.matmul.allow_tf32 is off by default)
+    # TE runs its all-fp32 GEMMs in TF32 (cublaslt_gemm.cu): the output is two GEMMs deep, the gradients up to four
+    tf32 = [tolerances.tf32_rel(2)] + [tolerances.tf32_rel(4)] * (len(want) - 1)
+    for fp8, tolerance in ((False, tf32), (True, [0.15] * len(want))):
         holder.experts.zero_grad()
         got = run(holder.experts, fp8)
-        for a, b in zip(got, want):
-            assert float((a - b).norm() / b.norm()) < tolerance, fp8
+        for a, b, bound in zip(got, want, tolerance):
+            assert float((a - b).norm() / b.norm()) < bound, fp8

@@ -11,6 +11,7 @@ import warnings
 from . import fp8_scenarios
 from . import moe_scenarios
 from . import scenarios
+from . import tolerances
 from . import zoo_scenarios
 
 STEPS = 3
@@ -66,6 +67,12 @@ def reference(family, fp8, steps, skew=None):
 
 
 def sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=STEPS, skew=None, tp=None):
+    """``_sc_ep``; without FP8 the experts' TE GEMMs compute in fp32 (TF32 off): the wiring's check."""
+    with tolerances.tf32_set(None if fp8 else "off"):
+        return _sc_ep(rank, world_size, family, fsdp, ep, fp8, steps, skew, tp)
+
+
+def _sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=STEPS, skew=None, tp=None):
     """Train ``steps`` steps of ``family`` loaded with transformers' FSDP2 x EP (x TP with ``tp``: its TP plan on
     the dense modules, accelerate FSDP2 x TP on the same ranks) and prepared by the package: losses, clipped grad
     norms and the experts' FP8 state against the one-process reference. ``skew``: every token routed to those

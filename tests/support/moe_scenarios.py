@@ -11,6 +11,7 @@ import warnings
 
 from . import fp8_scenarios
 from . import scenarios
+from . import tolerances
 from . import zoo_scenarios
 
 FAMILIES = ("qwen3_moe", "qwen2_moe")
@@ -165,9 +166,15 @@ def _experts_case(family, zero_experts=(), recipes=("delayed", "current")) -> di
     facts["converted"], facts["skipped"] = convert_experts(model, te)
     seen = _splits_probe(experts)
     scenarios.te_reset()
-    got = _run_experts(experts, hidden, index, weights, grad, te_autocast(te)(False, _recipe("delayed"), None))
+    with tolerances.tf32_set("off"):  # the wiring: transformers' loop bit for bit where the GEMMs compute in fp32
+        got = _run_experts(experts, hidden, index, weights, grad, te_autocast(te)(False, _recipe("delayed"), None))
     facts["fp8_off"] = _compare(got, want)
     facts["fp8_off_splits"], facts["fp8_off_stats"] = list(seen), scenarios.te_stats()
+    experts.zero_grad()
+    scenarios.te_reset()  # as on the device: TE's all-fp32 GEMMs in TF32
+    got = _run_experts(experts, hidden, index, weights, grad, te_autocast(te)(False, _recipe("delayed"), None))
+    facts["fp8_off_tf32"] = _compare(got, want)
+    facts["fp8_off_tf32_gemms"] = scenarios.te_stats().get("tf32_gemms", 0)
     for kind in recipes:
         seen.clear()
         experts.zero_grad()
@@ -200,9 +207,10 @@ def _model_case(family) -> dict:
     data = zoo_scenarios.batch()
     ref_loss = ref(**data).loss
     ref_loss.backward()
-    with te_autocast(te)(False, _recipe("delayed"), None):
-        loss = model(**data).loss
-    loss.backward()
+    with tolerances.tf32_set("off"):  # the wiring, as _experts_case's
+        with te_autocast(te)(False, _recipe("delayed"), None):
+            loss = model(**data).loss
+        loss.backward()
     grads = dict(ref.named_parameters())
     unequal = sorted(n for n, p in model.named_parameters() if not torch.equal(p.grad, grads[n].grad))
     worst = max(float((p.grad - grads[n].grad).abs().max() / grads[n].grad.abs().max().clamp_min(1e-30))
@@ -350,6 +358,13 @@ def _runner_calls(model) -> list:
 
 
 def sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True, experts_tp="tp"):
+    """``_sc_moe``; without FP8 the experts' TE GEMMs compute in fp32 (TF32 off): the check is the wiring's, to
+    summation order (TF32 as on the device: tests/unit/test_moe_experts.py)."""
+    with tolerances.tf32_set(None if fp8 else "off"):
+        return _sc_moe(rank, world_size, family, layout, fp8, steps, experts, experts_tp)
+
+
+def _sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=True, experts_tp="tp"):
     """Train ``steps`` steps prepared by the package (experts on TE grouped GEMMs): losses, clipped grad norms
     and step-0 expert gradients vs the one-process references. ``fp8=False``: the same prepared model run with
     its TE autocast off (eval mode: the wrapped forward turns FP8 off there), against plain transformers.

@@ -17,7 +17,9 @@ and the tolerance is the exact one.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 
 def _tex():
@@ -50,3 +52,46 @@ def row_parallel_ks(config) -> list[int]:
 def step0_rel(exact: float, tp: int, row_parallel_ks) -> float:
     """A step-0 relative tolerance: ``exact`` (the exact-GEMM tolerance) plus the fast-accumulation bound."""
     return exact + tp_split_k_bound(tp, row_parallel_ks)
+
+
+# -- TF32: TE's all-fp32 GEMMs on the device (tex.round_to_tf32, docs/rehearsal.md "TF32") ---------------------------
+# TF32 keeps 10 fraction bits: half an ulp to nearest, a whole one truncated. Written here, not read from the shim,
+# so that the GPU tests use it without importing the rehearsal (tests/unit/test_te_on_cpu_tf32.py: they agree).
+TF32_UNIT_ROUNDOFF = {"rna": 2.0 ** -11, "truncate": 2.0 ** -10}
+
+
+def tf32_rel(gemms: int, mode: str = "rna") -> float:
+    """The relative (norm) tolerance of a tensor computed through ``gemms`` all-fp32 TE GEMMs run in TF32 against
+    the same computation in fp32. A TF32 GEMM rounds each operand element to ``u`` relative (2**-11 to nearest,
+    2**-10 truncated), so each product moves by less than 2u of itself; to first order the GEMMs on a tensor's path
+    add. Norm-wise, random-signed products give ~0.8 u a GEMM (measured: 4.4e-4 to 5.1e-4 on the MoE experts'
+    outputs, two GEMMs deep, with u = 4.9e-4): 2u a GEMM holds that with room, and a tensor computed in plain fp32
+    (a missing TF32) or an O(1) wiring error are told apart from it by the exact check run with TF32 off."""
+    return gemms * 2 * TF32_UNIT_ROUNDOFF[mode]
+
+
+def tf32_mode() -> str:
+    """The TF32 rounding this process (and the ranks it starts) applies: "rna", "truncate" or "off"."""
+    return _tex().tf32_mode()
+
+
+ENV_TF32 = "ACCEL_FP8_FIX_REHEARSAL_TF32"  # tex.ENV_TF32
+
+
+@contextlib.contextmanager
+def tf32_set(mode: str | None):
+    """The shim's TF32 rounding of all-fp32 GEMMs set to ``mode`` for the block (read at each GEMM; a pooled rank
+    gets its setting back after); ``None`` leaves it as it is. A wiring check that compares an fp32 TE path with
+    torch's own bit for bit (or to summation order) runs with "off"."""
+    if mode is None:
+        yield
+        return
+    before = os.environ.get(ENV_TF32)
+    os.environ[ENV_TF32] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_TF32, None)
+        else:
+            os.environ[ENV_TF32] = before

@@ -3,7 +3,7 @@ one process, TE's real Python over the CPU kernel shim (a fresh process per reci
 answers), Qwen3-MoE, Qwen2-MoE (shared expert) and GPT-OSS (issue 30: ``[E, in, out]`` weights with biases, gate
 and up interleaved, a clamped SwiGLU) from transformers 5.x, tiny configs.
 
-Numerics: with TE autocast off the outputs and every gradient (input, routing weights, both 3-D parameters)
+Numerics: with TE autocast off and the shim's TF32 off (``ACCEL_FP8_FIX_REHEARSAL_TF32=off``) the outputs and every gradient (input, routing weights, both 3-D parameters)
 equal transformers' own eager loop bit for bit — same per-expert GEMM shapes, rows in transformers' order
 (expert, then top-k slot, then token), the same ``index_add_`` order, zero-padding only under FP8.
 transformers' default ``grouped_mm`` implementation sums the weight gradient in another order: its weight
@@ -20,6 +20,7 @@ import torch
 
 from support import launcher
 from support import moe_scenarios
+from support import tolerances
 
 GRAD_NAMES = ("out", "hidden", "weights", "gate_up_proj", "down_proj")
 BIAS_NAMES = ("gate_up_proj_bias", "down_proj_bias")  # GPT-OSS
@@ -60,6 +61,21 @@ def test_fp8_off_equals_transformers_own_loop_bit_for_bit(facts, family, case):
     hit = sum(1 for c in f["counts"] if c)
     assert f["fp8_off_stats"]["non_fp8_gemms"] == 2 * 3 * hit and f["fp8_off_stats"]["fp8_gemms"] == 0
     assert f["fp8_off_stats"]["grouped_gemms"] == 6  # forward, dgrad, wgrad of both projections
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_off_in_tf32_as_on_the_device_is_within_tf32s_bound(facts, family):
+    """TE runs its all-fp32 GEMMs in TF32 on the device (docs/rehearsal.md "TF32"); the shim does too unless told
+    otherwise: the outputs two GEMMs deep, the gradients up to four (forward, dgrad, wgrad)."""
+    for case in ("experts", "zeros"):
+        f = facts[family][case]
+        hit = sum(1 for c in f["counts"] if c)
+        assert f["fp8_off_tf32_gemms"] == 2 * 3 * hit  # every expert GEMM of forward and backward in TF32
+        for name in _names(family):
+            gemms = 2 if name == "out" else 4
+            equal, _, rel = f["fp8_off_tf32"][name]
+            assert rel <= tolerances.tf32_rel(gemms), (case, name, rel, tolerances.tf32_rel(gemms))
+        assert not f["fp8_off_tf32"]["out"][0]  # TF32 did round (the bit-for-bit check above runs with it off)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

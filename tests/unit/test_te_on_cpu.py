@@ -522,8 +522,9 @@ def test_a_strided_plain_operand_is_refused_naming_operand_and_strides():
         _gemm(w.contiguous(), True, torch.randn(16, 8).t(), False)
     with pytest.raises(RuntimeError, match=r"output D: .*strides \(1, 8\)"):
         _gemm(w.contiguous(), True, x, False, torch.empty(32, 8).t())
-    got = _gemm(w.contiguous(), True, x, False)[0]  # contiguous: computed
-    assert torch.allclose(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+    got = _gemm(w.contiguous(), True, x, False)[0]  # contiguous: computed (all fp32: in TF32, as TE on the device)
+    tf32 = tex.tf32_mode()
+    assert torch.equal(got, tex.round_to_tf32(x, tf32) @ tex.round_to_tf32(w.contiguous(), tf32).t())
 
 
 def test_grouped_gemm_inherits_the_strided_operand_refusal():

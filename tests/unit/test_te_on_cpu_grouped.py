@@ -497,6 +497,9 @@ def test_grouped_gemm_packs_outputs_and_zeroes_empty_groups():
     and with separate outputs it zeroes its D (not when accumulating) and its grad-bias."""
     from accel_fp8_fix.rehearsal.te_on_cpu import tex
 
+    def mm(a, b):  # all fp32: TE's GEMMs in TF32 on the device (tex.round_to_tf32)
+        return tex.round_to_tf32(a, tex.tf32_mode()) @ tex.round_to_tf32(b, tex.tf32_mode())
+
     torch.manual_seed(1)
     w = [torch.randn(8, 16) for _ in range(3)]
     x = [torch.randn(m, 16) for m in (4, 0, 6)]
@@ -504,17 +507,17 @@ def test_grouped_gemm_packs_outputs_and_zeroes_empty_groups():
     empty = [torch.empty(0)] * 3
     tex.te_general_grouped_gemm(w, True, x, False, [d], tex.DType.kFloat32, [4, 0, 6], empty, tex.DType.kFloat32,
                                 True, empty, False, empty, 0, False, False, 0)
-    assert torch.equal(d, torch.cat([x[0] @ w[0].t(), x[2] @ w[2].t()]))
+    assert torch.equal(d, torch.cat([mm(x[0], w[0].t()), mm(x[2], w[2].t())]))
     outs, dbias = [torch.full((8, 16), 5.0) for _ in range(3)], [torch.full((8,), 5.0) for _ in range(3)]
     dys = [torch.randn(m, 8) for m in (4, 0, 6)]
     tex.te_general_grouped_gemm(x, False, dys, True, outs, tex.DType.kFloat32, [4, 0, 6], dbias,
                                 tex.DType.kFloat32, False, empty, True, empty, 0, False, False, 0)
     assert torch.equal(outs[1], torch.zeros(8, 16)) and torch.equal(dbias[1], torch.zeros(8))
-    assert torch.equal(outs[0], dys[0].t() @ x[0]) and torch.equal(dbias[2], dys[2].sum(0))
+    assert torch.equal(outs[0], mm(dys[0].t(), x[0])) and torch.equal(dbias[2], dys[2].sum(0))
     acc = [torch.full((8, 16), 5.0) for _ in range(3)]
     tex.te_general_grouped_gemm(x, False, dys, True, acc, tex.DType.kFloat32, [4, 0, 6], empty,
                                 tex.DType.kFloat32, False, empty, True, empty, 0, True, False, 0)
-    assert torch.equal(acc[1], torch.full((8, 16), 5.0)) and torch.equal(acc[2], dys[2].t() @ x[2] + 5.0)
+    assert torch.equal(acc[1], torch.full((8, 16), 5.0)) and torch.equal(acc[2], mm(dys[2].t(), x[2]) + 5.0)
 
 
 # -- TE's Python over the shim -------------------------------------------------------------------------------------

@@ -217,7 +217,7 @@ class CommOverlapHelper(_NotOnCpu):
 _STATS: Counter = Counter()
 _STAT_KEYS = ("fp8_gemms", "fp8_gemms_fwd", "fp8_gemms_bwd", "non_fp8_gemms", "non_fp8_gemms_fwd",
               "non_fp8_gemms_bwd", "amax_reductions", "amax_reductions_fwd", "amax_reductions_bwd",
-              "amax_elements_reduced", "scale_updates")
+              "amax_elements_reduced", "scale_updates", "tf32_gemms")
 _GROUPS: list = []
 
 
@@ -1316,6 +1316,50 @@ def _uses_fast_accum(A, B, use_split_accumulator) -> bool:
     return all(plain) and cuda_as_cpu.capability()[0] == 9
 
 
+# TF32: TE runs a GEMM whose A, B and D are all fp32 with CUBLAS_COMPUTE_32F_FAST_TF32 (cublaslt_gemm.cu,
+# "Use TF32 only for pure FP32 GEMM": the same lines from TE's first release to 2.20.x, TE main d0067d0 / v2.18
+# read). On a GPU with TF32 tensor cores (capability >= 8.0) cuBLAS rounds both operands to TF32 (fp32's 8-bit
+# exponent, 10 of its 23 fraction bits) and accumulates in fp32; below 8.0 the compute type runs plain fp32.
+# cuBLAS does not document its rounding of the operands: CUDA's conversion instruction (cvt.rna.tf32.f32) rounds to
+# nearest, ties away from zero ("rna", the default here); the GPU kit's fp32 GEMM fixture decides (docs/gpu.md).
+ENV_TF32 = "ACCEL_FP8_FIX_REHEARSAL_TF32"
+TF32_MODES = ("auto", "rna", "truncate", "off")  # auto: rna where the target's capability >= 8.0, else off
+TF32_FRACTION_BITS = 10
+TF32_UNIT_ROUNDOFF = {"rna": 2.0 ** -(TF32_FRACTION_BITS + 1), "truncate": 2.0 ** -TF32_FRACTION_BITS}
+
+
+def tf32_mode() -> str:
+    """The rounding the shim applies to the operands of an all-fp32 GEMM now: "rna", "truncate" or "off"."""
+    value = os.environ.get(ENV_TF32, "").strip() or "auto"
+    if value not in TF32_MODES:
+        raise ValueError(f"{ENV_TF32}={value!r}: expected one of {list(TF32_MODES)}")
+    if value == "auto":
+        return "rna" if cuda_as_cpu.capability() >= (8, 0) else "off"
+    return value
+
+
+def round_to_tf32(x: torch.Tensor, mode: str = "rna") -> torch.Tensor:
+    """fp32 ``x`` with its significand cut to TF32's 10 fraction bits: to nearest, ties away from zero ("rna",
+    cvt.rna.tf32.f32), or toward zero ("truncate"); inf and NaN kept. fp32 result."""
+    if mode == "off":
+        return x
+    drop = (1 << (23 - TF32_FRACTION_BITS)) - 1  # the 13 low fraction bits
+    bits = x.contiguous().view(torch.int32)
+    if mode == "rna":  # sign-magnitude: adding half an ulp to the magnitude rounds ties away from zero
+        bits = bits + (drop + 1) // 2
+    elif mode != "truncate":
+        raise ValueError(f"round_to_tf32: mode {mode!r} not in ('rna', 'truncate', 'off')")
+    rounded = (bits & ~drop).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
+
+
+def _uses_tf32(a_dtype, b_dtype, d_dtype) -> str:
+    """The TF32 rounding of this GEMM's operands ("off" unless A, B and D are all fp32)."""
+    if not (a_dtype == b_dtype == d_dtype == torch.float32):
+        return "off"
+    return tf32_mode()
+
+
 def _check_gemm_output(D, expected: list, output_dtype, accumulate: bool, beta) -> None:
     """TE's checks of ``D`` and ``beta`` (pytorch/csrc/extensions/gemm.cpp ``gemm``), with its messages: what a GPU
     refuses is refused here (the shim would otherwise copy a wrong-shaped ``D`` of equal size, or ignore beta)."""
@@ -1480,6 +1524,13 @@ def generic_gemm(A, transA, B, transB, D, quantizer, output_dtype, bias, bias_ty
         out = out * (scale_a * scale_b).reshape(())  # cuBLAS' epilogue: scale_inv_A * scale_inv_B in fp32
         _STATS["fast_accum_gemms"] += 1
     else:
+        d_dtype = D.dtype if D is not None else (
+            None if quantizer is not None else
+            _torch_dtype(output_dtype) if output_dtype is not None else b_dtype)
+        tf32 = "off" if a_fp8 else _uses_tf32(a_dtype, b_dtype, d_dtype)
+        if tf32 != "off":
+            op_a, op_b = round_to_tf32(op_a, tf32), round_to_tf32(op_b, tf32)
+            _STATS["tf32_gemms"] += 1
         out = op_b @ op_a
     if alpha != 1.0:
         out = out * alpha
