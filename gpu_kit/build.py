@@ -1,7 +1,8 @@
 """The kit builder (this machine, with network): ``python -m gpu_kit build``.
 
 1. download the pinned wheels / sdist from PyPI into ``.gpu_kit/cache`` (sha256 checked against the pins);
-2. download the wheelhouse (``[wheelhouse]``, for cp312 manylinux);
+2. download the wheelhouse (``[wheelhouse]``, for cp312 manylinux) and the carried wheels (``[carried]``: the
+   suite's accelerate / transformers and what they need that the GPU machine lacks; sha256 checked as in 1.);
 3. a venv of the target Python (3.12) with PyPI's torch 2.11.0 (CUDA 13.0 build) and the build tools;
 4. build TE's torch extension there (``nice -n 19``, ``MAX_JOBS=1`` by default);
 5. write the bundle tar, cut it into parts of at most ``[parts] max_mib`` MiB, and the manifest.
@@ -25,8 +26,8 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from gpu_kit.kit import KIT_DIR, KIT_FORMAT, MIB, PARTS_DIR, KitError, build_extension, load_pins, \
-    pins_digest, sha256_file
+from gpu_kit.kit import KIT_DIR, KIT_FORMAT, MIB, PARTS_DIR, KitError, build_extension, carried_pins, \
+    load_pins, pins_digest, sha256_file
 
 CACHE = KIT_DIR / "cache"
 BUILD = KIT_DIR / "build"
@@ -58,10 +59,10 @@ def _pypi_url(filename: str) -> str:
     raise KitError(f"{filename} is not on PyPI's index of {project}")
 
 
-def fetch(filename: str, sha256: str) -> Path:
+def fetch(filename: str, sha256: str, cache: Path = CACHE) -> Path:
     """The pinned file in the cache, downloaded from PyPI if absent; its sha256 must be the pinned one."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    path = CACHE / filename
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / filename
     if path.is_file() and sha256_file(path) == sha256:
         return path
     url = _pypi_url(filename)
@@ -93,6 +94,20 @@ def fetch_wheelhouse(pins: dict) -> list[Path]:
                        check=True)
         stamp.write_text(json.dumps({"digest": digest}))
     return sorted(target.glob("*.whl"))
+
+
+def fetch_carried(pins: dict) -> list[tuple[str, dict, Path]]:
+    """``[carried]``: each pinned wheel from PyPI into ``cache/carried`` (kept while its sha256 is the pinned one,
+    checked on every build), as (distribution, pin, path)."""
+    target = CACHE / "carried"
+    fetched = []
+    for name, pin in carried_pins(pins).items():
+        path = fetch(pin["wheel"], pin["sha256"], cache=target)
+        if "size" in pin and path.stat().st_size != pin["size"]:
+            raise KitError(f"{pin['wheel']}: {path.stat().st_size} bytes, gpu_kit/pins.toml [carried] says "
+                           f"{pin['size']}")
+        fetched.append((name, pin, path))
+    return fetched
 
 
 def find_target_python(version: str) -> str:
@@ -209,6 +224,7 @@ def write_parts(pins: dict, files: list[dict], sources: dict[str, Path], extensi
         "kit_format": KIT_FORMAT, "pins_sha256": pins_digest(), "inputs_sha256": inputs_digest,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": pins["target"],
         "transformer_engine": pins["transformer_engine"]["version"], "max_part_bytes": max_bytes,
+        "carried": {f["distribution"]: f["version"] for f in files if f["role"] == "carried"},
         "bundle": {"size": bundle.stat().st_size, "sha256": sha256_file(bundle)}, "parts": parts, "files": files,
         "extension": {k: v for k, v in extension.items() if k != "digest"},
     }
@@ -232,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     sdist = fetch(te["torch_sdist"], te["torch_sdist_sha256"])
     torch_wheel = fetch(target["torch_wheel"], target["torch_sha256"])
     wheelhouse = fetch_wheelhouse(pins)
+    carried = fetch_carried(pins)
     python = ensure_venv(pins, args.venv.resolve(), torch_wheel)
     extension = ensure_extension(pins, python, sdist)
     extension["venv_python"] = str(python)
@@ -245,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         files.append({"path": f"wheels/{path.name}", "role": role, "size": path.stat().st_size,
                       "sha256": origin or sha256_file(path), "source": "pypi" if origin else "built here"})
         sources[files[-1]["path"]] = path
+    for name, pin, wheel in carried:
+        files.append({"path": f"carried/{wheel.name}", "role": "carried", "size": wheel.stat().st_size,
+                      "sha256": pin["sha256"], "source": "pypi", "distribution": name, "version": pin["version"]})
+        sources[files[-1]["path"]] = wheel
     for wheel in wheelhouse:
         project = wheel.name.split("-")[0].replace("_", "-").lower()
         files.append({"path": f"wheelhouse/{wheel.name}", "role": "wheelhouse", "size": wheel.stat().st_size,

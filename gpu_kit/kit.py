@@ -3,8 +3,9 @@ runs under the GPU machine's interpreter before anything is installed, and in th
 
 Bundle layout: one uncompressed tar (the wheels are already compressed; xz -6 saved 2.4 % on a 32 MiB slice of
 TE's CUDA library) of ``wheels/`` (TE core, TE Python, TE torch extension built here, TE torch sdist for a
-rebuild on the GPU machine) and ``wheelhouse/`` (small wheels installed only where the module is missing),
-cut into parts of at most ``[parts] max_mib`` MiB.
+rebuild on the GPU machine), ``carried/`` (``[carried]``: the accelerate and transformers the CPU suite pins and
+what they need that the machine lacks, always installed, ahead of the machine's own) and ``wheelhouse/`` (small
+wheels installed only where the module is missing), cut into parts of at most ``[parts] max_mib`` MiB.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def te_distributions(pins: dict | None = None) -> list[str]:
     """The distributions the pins install, by each TE file's name up to its version (``transformer_engine_cu13``)."""
     te = (pins or load_pins())["transformer_engine"]
     return [te[key].split("-", 1)[0] for key in ("python_wheel", "core_wheel", "torch_sdist")]
+
+
+def carried_pins(pins: dict | None = None) -> dict[str, dict]:
+    """``[carried]``: {distribution: {version, wheel, size, sha256}}, the wheels always installed into the site."""
+    return dict((load_pins() if pins is None else pins).get("carried", {}))
 
 
 def load_manifest(path: Path = MANIFEST) -> dict:
@@ -184,33 +190,69 @@ def _pip(args: list[str], log: list[str]) -> None:
         raise KitError(f"pip failed ({done.returncode}): {' '.join(command)}\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
 
 
+def check_carried(manifest: dict, pins: dict | None = None) -> list[dict]:
+    """The manifest's ``carried`` files, one per ``[carried]`` pin with the pinned wheel and sha256; a kit built
+    before (or without) those pins is refused: it would answer with the machine's accelerate / transformers."""
+    carried = {e["path"]: e for e in manifest["files"] if e["role"] == "carried"}
+    chosen, problems = [], []
+    for name, pin in carried_pins(pins).items():
+        entry = carried.get(f"carried/{pin['wheel']}")
+        if entry is None or entry["sha256"] != pin["sha256"]:
+            problems.append(f"{name} {pin['version']} ({pin['wheel']})")
+        else:
+            chosen.append(entry)
+    if problems:
+        raise KitError(f"the kit does not carry {', '.join(problems)} as gpu_kit/pins.toml [carried] pins them: "
+                       "rebuild it with `python -m gpu_kit build` and carry the new parts")
+    return chosen
+
+
+def plan_install(manifest: dict, skip_roles: tuple[str, ...] = (), all_wheelhouse: bool = False,
+                 find_spec=None, pins: dict | None = None) -> dict[str, list[dict]]:
+    """Which manifest files ``install`` puts into the site: TE's wheels (less ``skip_roles``); every ``[carried]``
+    wheel, always, whether or not this interpreter has the module (the suite's accelerate / transformers replace
+    the machine's); the wheelhouse wheels whose import name ``find_spec`` does not find (all of them with
+    ``all_wheelhouse``; ``find_spec`` defaults to this interpreter's ``importlib.util.find_spec``)."""
+    find_spec = find_spec or importlib.util.find_spec
+    by_role: dict[str, list[dict]] = {}
+    for entry in manifest["files"]:
+        by_role.setdefault(entry["role"], []).append(entry)
+    wheelhouse = by_role.get("wheelhouse", [])
+    missing = [e for e in wheelhouse if all_wheelhouse or find_spec(e["import_name"]) is None]
+    return {"te": [e for role in TE_ROLES if role not in skip_roles for e in by_role.get(role, [])],
+            "carried": check_carried(manifest, pins),
+            "wheelhouse_missing": missing, "wheelhouse_present": [e for e in wheelhouse if e not in missing]}
+
+
 def install(manifest: dict, extracted: dict[str, Path], site: Path = SITE, log: list[str] | None = None,
-            skip_roles: tuple[str, ...] = (), all_wheelhouse: bool = False) -> dict:
-    """``pip install --no-index --no-deps --target site`` of TE's wheels, then of the wheelhouse wheels whose
-    module this interpreter lacks (all of them with ``all_wheelhouse``: the dry run, whose venv has them);
-    the .pth trampoline of this package and a sitecustomize that reads it."""
+            skip_roles: tuple[str, ...] = (), all_wheelhouse: bool = False, pins: dict | None = None) -> dict:
+    """``pip install --no-index --no-deps --target site`` of TE's wheels and the ``[carried]`` wheels (always),
+    then of the wheelhouse wheels whose module this interpreter lacks (all of them with ``all_wheelhouse``: the
+    dry run, whose venv has them); the .pth trampoline of this package and a sitecustomize that reads it."""
     log = log if log is not None else []
     if site.exists():
         shutil.rmtree(site)
     site.mkdir(parents=True)
-    by_role: dict[str, list[dict]] = {}
-    for entry in manifest["files"]:
-        by_role.setdefault(entry["role"], []).append(entry)
-    te_wheels = [str(extracted[e["path"]]) for role in TE_ROLES if role not in skip_roles for e in by_role.get(role, [])]
-    _pip(["install", "--no-index", "--no-deps", "--no-compile", "--target", str(site), *te_wheels], log)
-    missing = [e for e in by_role.get("wheelhouse", [])
-               if all_wheelhouse or importlib.util.find_spec(e["import_name"]) is None]
+    plan = plan_install(manifest, skip_roles=skip_roles, all_wheelhouse=all_wheelhouse, pins=pins)
+    first = [str(extracted[e["path"]]) for e in plan["te"] + plan["carried"]]
+    if first:
+        _pip(["install", "--no-index", "--no-deps", "--no-compile", "--target", str(site), *first], log)
+    missing = plan["wheelhouse_missing"]
     if missing:
         _pip(["install", "--no-index", "--no-deps", "--no-compile", "--target", str(site),
               *(str(extracted[e["path"]]) for e in missing)], log)
     shutil.copy2(ROOT / "accel_fp8_fix.pth", site / "accel_fp8_fix.pth")
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {"te_wheels": [Path(w).name for w in te_wheels], "wheelhouse_installed": [e["path"] for e in missing],
-            "wheelhouse_present": [e["path"] for e in by_role.get("wheelhouse", []) if e not in missing]}
+    return {"te_wheels": [Path(e["path"]).name for e in plan["te"]],
+            "carried": {e["distribution"]: e["version"] for e in plan["carried"]},
+            "wheelhouse_installed": [e["path"] for e in missing],
+            "wheelhouse_present": [e["path"] for e in plan["wheelhouse_present"]]}
 
 
 def site_env(site: Path = SITE, base: dict | None = None) -> dict:
-    """Environment for a process that uses the installed kit: the repository and the kit's site first."""
+    """Environment for a process that uses the installed kit: the repository and the kit's site first
+    (``PYTHONPATH`` comes ahead of the interpreter's site-packages on ``sys.path``, so the ``[carried]``
+    accelerate / transformers shadow the machine's own, for ``accelerate launch`` workers too)."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(site), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -237,6 +279,8 @@ try:
     import transformer_engine.pytorch as te  # loads TE's core library, then the torch extension
     out["extension_file"] = getattr(sys.modules.get("transformer_engine_torch"), "__file__", None)
     out["te_version"] = version("transformer_engine")
+    import accelerate, transformers  # what the tests and rank jobs import: the kit's [carried] releases
+    out["accelerate"], out["transformers"] = accelerate.__version__, transformers.__version__
     out["import"] = "ok"
     if out["cuda_available"]:
         for name in ("is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available"):
