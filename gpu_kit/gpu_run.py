@@ -6,10 +6,12 @@ cuBLASLt, cuDNN, SMs, L2, memory, the pins' TE distributions) and checks it agai
 rehearsal answers as: a field TE decides from that disagrees fails (exit 1, after every result is written),
 the rest warn. results.json (``machine.device``, stage ``device``) and summary.md carry both.
 
-``run`` keeps to a time budget (``--budget`` seconds, under the device command's 600 s limit): each stage
-gets what is left, at most its own cap, and results are written under ``--out`` as they come, so a stage
-that runs out of time still leaves the others' results. At most 8 files go to ``--out`` (the device tool
-returns no more): run.log, tests.log, ranks.log, benchmark.log, benchmark.md, benchmark_moe.md, results.json,
+``run`` keeps to a time budget (``--budget`` seconds, under the device command's limit): the stages (``STAGES``)
+run in order of what only a GPU can tell — install and TE's own answers, the kernel fixtures, what only real TE
+decides, the MoE / FP8 all-gather / real-TE files, the rank jobs, compile, throughput last — each gets what is left,
+at most its cap, and writes its result before the next starts. ``run --resume`` (a second pass on the warm
+machine) keeps the stages an earlier pass finished and runs the rest. At most 8 files go to ``--out`` (the device
+tool returns no more): run.log, tests.log, ranks.log, benchmark.log, benchmark.md, kernels.pt, results.json,
 summary.md.
 """
 
@@ -24,9 +26,10 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_kit import device, kit
+from gpu_kit import device, kit, probe_ops, rank_jobs
 
 STATE = kit.KIT_DIR / "state"  # stays on the warm machine between commands (ignored path)
 RANKS_BACKEND = "cuda:gloo,cpu:gloo"
@@ -40,6 +43,7 @@ class Run:
         self.budget = budget
         self.results: dict = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "stages": {}}
         self.log_handle = open(out / "run.log", "a")
+        self.done_before: set[str] = set()  # stages an earlier pass finished (run --resume)
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.started)
@@ -133,43 +137,37 @@ def _libstdcxx_glibcxx() -> str | None:
     return None
 
 
-# what only context parallelism and expert parallelism need beyond FSDP2 / TP (torch's ring rotates K / V and their
-# gradients with all-gathers and all-to-alls; transformers' EP dispatch sends tokens with all-to-alls: the
-# collective-order audit records them on CPU, tests/distributed/test_context_parallel.py, test_expert_parallel.py)
-CP_OPS = ("all_to_all_single",)
+PROBE_WORLD = max(job.world for job in rank_jobs.JOBS)  # one probe at the largest world size the jobs use
 
 
-def _ranks_ok(ranks: list[dict], world: int, exclude=()) -> bool:
-    """Every rank answered, initialised, and every probed collective (but ``exclude``) returned the right values."""
-    return bool(ranks) and len(ranks) == world and all(
-        r.get("init") == "ok" and all(v == "ok" for op, v in r["ops"].items() if op not in exclude) for r in ranks)
-
-
-def ranks_probe(run: Run | None, out: Path, world: int = 2) -> dict:
-    """torchrun with ``world`` ranks on the one GPU, per backend: which collectives work on CUDA tensors."""
-    answers = {}
-    for backend in ("gloo", "nccl"):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   str(kit.ROOT / "gpu_kit" / "ranks_probe.py"), backend]
-        if run is not None:
-            code, output, _ = run.sub(f"ranks probe ({backend})", command, "ranks.log", cap=60, env=dict(os.environ))
-        else:
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=kit.ROOT)
-                code, output = done.returncode, done.stdout + done.stderr
-            except subprocess.TimeoutExpired as exc:
-                code, output = None, f"timed out: {exc}"
-            with open(out / "ranks.log", "a") as log:
-                log.write(f"\n===== ranks probe ({backend})\n{output}")
-        ranks = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("RANKS_PROBE ")]
-        ops: dict = {}
-        for result in ranks:
-            for op, verdict in result.get("ops", {}).items():
-                ops.setdefault(op, set()).add(verdict)
-        answers[backend] = {"exit": code, "init": sorted({r.get("init") for r in ranks}) or ["no answer"],
-                            "ops": {op: sorted(v)[0] if len(v) == 1 else sorted(v) for op, v in ops.items()},
-                            "all_ok": _ranks_ok(ranks, world, exclude=CP_OPS),
-                            "cp_ok": _ranks_ok(ranks, world)}
+def ranks_probe(run: Run | None, out: Path, world: int = PROBE_WORLD, cap: float = 45) -> dict:
+    """torchrun with ``world`` ranks on the one GPU over gloo (NCCL refuses two ranks on one device: not asked):
+    which of the collectives the rank jobs issue (``probe_ops.json``) gloo runs on CUDA tensors, and the verdict
+    per job. ``{"gloo": {"exit", "init", "ops", "ranks", "jobs": {job: {"ok", "failed"}}, "stale"}}``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               str(kit.ROOT / "gpu_kit" / "ranks_probe.py"), "gloo"]
+    if run is not None:
+        code, output, _ = run.sub("ranks probe (gloo)", command, "ranks.log", cap=cap, env=dict(os.environ))
+    else:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=cap, cwd=kit.ROOT)
+            code, output = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, output = None, f"timed out: {exc}"
+        with open(out / "ranks.log", "a") as log:
+            log.write(f"\n===== ranks probe (gloo)\n{output}")
+    ranks = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("RANKS_PROBE ")]
+    ops: dict = {}
+    for result in ranks:
+        for op, verdict in result.get("ops", {}).items():
+            ops.setdefault(op, set()).add(verdict)
+    jobs = {}
+    for job in rank_jobs.JOBS:
+        ok, failed = probe_ops.job_verdict(job.name, ranks, world)
+        jobs[job.name] = {"ok": ok, "failed": failed}
+    answers = {"gloo": {"exit": code, "init": sorted({str(r.get("init")) for r in ranks}) or ["no answer"],
+                        "ops": {op: sorted(v)[0] if len(v) == 1 else sorted(v) for op, v in ops.items()},
+                        "ranks": ranks, "jobs": jobs, "stale": probe_ops.stale()}}
     STATE.mkdir(parents=True, exist_ok=True)
     (STATE / "ranks_probe.json").write_text(json.dumps(answers))
     return answers
@@ -231,95 +229,138 @@ def install_main(args) -> int:
 
 
 # -- run ------------------------------------------------------------------------------------------------------
-RANKS_CONFIG = """compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-use_cpu: false
-num_machines: 1
-num_processes: {world}
-machine_rank: 0
-gpu_ids: all
-mixed_precision: fp8
-fp8_config:
-  backend: TE
-  fp8_format: HYBRID
-  amax_history_len: 16
-  amax_compute_algo: max
-  accel_fp8_fix: true
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap: {layer}
-  fsdp_cpu_ram_efficient_loading: false
-{parallelism}"""
+@dataclass(frozen=True)
+class Stage:
+    """One stage of ``run``: ``cap`` the most it may take (s), ``estimate`` what it is planned to take on the lent
+    machine (16 cores; docs/gpu.md "The plan"); ``decisive``: planned inside the first pass's budget."""
+
+    name: str
+    cap: float
+    estimate: float
+    what: str
+    decisive: bool = True
 
 
-def ranks_runs(run: Run) -> None:
+# In order of what only a GPU can tell; each stage writes its result before the next starts.
+STAGES = (
+    Stage("install", 60, 15, "reassemble, verify, pip install --no-index --no-deps --target (TE, accelerate, "
+          "transformers)"),
+    Stage("import", 60, 12, "import transformer_engine.pytorch in a fresh process; FP8 support as TE reports it"),
+    Stage("kernel_fixtures", 45, 15, "TE's kernels on fixed inputs -> kernels.pt (replayed on CPU by the shim)"),
+    Stage("te_decides", 75, 40, "tests/gpu/test_gpu_te_decides.py: what only real TE decides (FP8 leading "
+          "dimensions, token counts, FP8 state through save/load, recompute in FP8)"),
+    Stage("gpu_files", 100, 60, "tests/gpu: MoE experts, the FP8 all-gather, real-TE FSDP2 / TP (world size 1)"),
+    *(Stage(f"ranks_{job.name}", 60 if job.world > 2 else 50, 35 if job.world > 2 else 25, job.purpose,
+            decisive=job.name in ("fsdp2_ag", "fsdp2_ep", "fsdp2_cp")) for job in rank_jobs.JOBS),
+    Stage("compile", 90, 60, "tests/gpu/test_compile_fp8_gpu.py: torch.compile over TE FP8", decisive=False),
+    Stage("benchmark", 150, 120, "throughput: bf16 vs FP8 recipes, a 1.06 B Llama", decisive=False),
+    Stage("benchmark_moe", 120, 90, "throughput: bf16 vs FP8, a Qwen3-MoE", decisive=False),
+)
+BY_STAGE = {stage.name: stage for stage in STAGES}
+GPU_FILES = ("tests/gpu/test_gpu_moe_experts.py", "tests/gpu/test_gpu_fp8_all_gather.py", "tests/gpu/test_gpu_real_te.py")
+
+
+def _stage_done(run: Run, name: str, reserve: float = 15) -> bool:
+    """A stage that finished in an earlier pass on this warm machine (``run --resume``): not run again; or one the
+    budget no longer reaches: recorded as not reached (a resumed pass runs it). True: do not run it now."""
+    if name in run.done_before:
+        run.log(f"{name}: done in an earlier pass, kept")
+        return True
+    if min(BY_STAGE[name].cap, run.left() - reserve) < 5:
+        run.log(f"{name}: not reached, {run.left():.0f} s left")
+        run.stage(name, not_reached=f"{run.left():.0f} s of the budget left")
+        return True
+    return False
+
+
+def _finish(run: Run, name: str, **fields) -> None:
+    run.stage(name, **fields, done=True)
+    STATE.mkdir(parents=True, exist_ok=True)
+    (STATE / "results.json").write_text(json.dumps(run.results, default=str))
+
+
+def pytest_stage(run: Run, name: str, files: tuple[str, ...]) -> None:
+    """pytest on ``files`` in the order given (not alphabetically), one line a test (``-v``): what ran is parsed
+    even from a run the cap stopped."""
+    if _stage_done(run, name):
+        return
+    command = [sys.executable, "-m", "pytest", *files, "-v", "-rA", "-p", "no:cacheprovider"]
+    code, output, seconds = run.sub(name, command, "tests.log", cap=BY_STAGE[name].cap)
+    outcomes = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", output, flags=re.M)
+    counts: dict = {}
+    for _, outcome in outcomes:
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    fields = dict(exit=code, seconds=round(seconds), counts=counts, outcomes=[f"{o} {t}" for t, o in outcomes])
+    if code is None:  # stopped at its cap: what ran is recorded, the stage is not done (a resume runs it again)
+        run.stage(name, **fields, stopped_at_cap=True)
+        return
+    _finish(run, name, **fields)
+
+
+def kernel_fixtures(run: Run) -> None:
+    if _stage_done(run, "kernel_fixtures"):
+        return
+    target = run.out / "kernels.pt"
+    command = [sys.executable, "-m", "gpu_kit.kernel_fixtures", "record", "--out", str(target), "--device", "cuda"]
+    code, output, seconds = run.sub("kernel_fixtures", command, "tests.log", cap=BY_STAGE["kernel_fixtures"].cap)
+    found = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("KERNEL_FIXTURES ")]
+    if found and target.is_file():
+        shutil.copy2(target, STATE / "kernels.pt")  # a resumed pass's $OUT is a new folder
+    _finish(run, "kernel_fixtures", exit=code, seconds=round(seconds), result=found[0] if found else None,
+            error_tail=None if found else output[-1500:])
+
+
+def rank_job_runs(run: Run) -> None:
     probe_file = STATE / "ranks_probe.json"
     answers = json.loads(probe_file.read_text()) if probe_file.is_file() else ranks_probe(run, run.out)
-    run.stage("ranks_probe", **answers)
-    if not answers.get("gloo", {}).get("all_ok"):
-        gloo = answers.get("gloo", {})
-        failed = {op: verdict for op, verdict in gloo.get("ops", {}).items() if verdict != "ok"}
-        run.stage("ranks", skipped=f"two ranks on this one GPU over gloo did not pass the probe (init {gloo.get('init')}, "
-                                   f"failed collectives {failed or 'none reported'}); see ranks_probe and ranks.log")
-        return
-    fsdp2_tp = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
-    fsdp2_cp = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n  parallelism_config_cp_size: 2\n"
-    jobs = [("fsdp2", 2, "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n", "build"),
-            ("fsdp2_tp", 4, fsdp2_tp, "build"),
-            ("fsdp2_tp_loaded", 4, fsdp2_tp, "distributed_config")]  # transformers' N-D loading (A18)
-    if answers["gloo"].get("cp_ok"):
-        jobs.append(("fsdp2_cp", 4, fsdp2_cp, "build"))  # FSDP2 x CP inside maybe_context_parallel (functional)
-        # transformers' expert parallelism at load (fsdp 4 x ep 2: its all-to-all token dispatch), experts in FP8
-        jobs.append(("fsdp2_ep", 4, "parallelism_config:\n  parallelism_config_dp_shard_size: 4\n", "expert_parallel"))
-    else:
-        for job, what in (("ranks_fsdp2_cp", "context parallelism"), ("ranks_fsdp2_ep", "expert parallelism")):
-            run.stage(job, skipped=f"the collectives {what} needs beyond FSDP2 ({', '.join(CP_OPS)}) failed the "
-                                   "probe on this GPU over gloo")
-    for name, world, parallelism, load in jobs:
-        config = STATE / f"ranks_{name}.yaml"
-        layer = "Qwen3MoeDecoderLayer" if load == "expert_parallel" else "LlamaDecoderLayer"
-        config.write_text(RANKS_CONFIG.format(world=world, parallelism=parallelism, layer=layer))
+    run.stage("ranks_probe", **{k: v for k, v in answers.get("gloo", {}).items() if k != "ranks"})
+    verdicts = answers.get("gloo", {}).get("jobs", {})
+    for job in rank_jobs.JOBS:
+        name = f"ranks_{job.name}"
+        if _stage_done(run, name):
+            continue
+        verdict = verdicts.get(job.name, {"ok": False, "failed": {"probe": "no answer for this job"}})
+        if not verdict["ok"]:  # a collective gloo cannot run on CUDA tensors would hang or fail the job
+            _finish(run, name, skipped=f"the probe failed collectives this job issues: {verdict['failed']}")
+            continue
+        config = STATE / f"{name}.yaml"
+        config.write_text(rank_jobs.config_text(job))
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                   "--main_process_port", "0", str(kit.ROOT / "gpu_kit" / "ranks_job.py"), RANKS_BACKEND, "3", load]
+                   "--main_process_port", "0", str(kit.ROOT / "gpu_kit" / "ranks_job.py"), RANKS_BACKEND, "3",
+                   job.load]
         env = kit.site_env()
         env.pop("ACCEL_FP8_FIX", None)  # the config flag alone switches the package on
-        code, output, seconds = run.sub(f"ranks {name} (world {world}, one GPU)", command, "ranks.log", cap=110, env=env)
+        env.update(job.env)
+        code, output, seconds = run.sub(f"{name} (world {job.world}, one GPU)", command, "ranks.log",
+                                        cap=BY_STAGE[name].cap, env=env)
         found = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("RANKS_RESULT ")]
-        run.stage(f"ranks_{name}", exit=code, seconds=round(seconds), result=found[0] if found else None,
-                  error_tail=None if found else output[-1500:])
+        fields = dict(exit=code, seconds=round(seconds), result=found[0] if found else None,
+                      error_tail=None if found else output[-1500:])
+        if code is None:
+            run.stage(name, **fields, stopped_at_cap=True)
+        else:
+            _finish(run, name, **fields)
 
 
-def tests_gpu(run: Run) -> None:
-    command = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rA", "-p", "no:cacheprovider"]
-    code, output, seconds = run.sub("tests/gpu", command, "tests.log", cap=200)
-    counts = dict((k, int(v)) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", output))
-    outcomes = re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) (\S+)", output, flags=re.M)
-    run.stage("tests_gpu", exit=code, seconds=round(seconds), counts=counts,
-              outcomes=[f"{o} {t}" for o, t in outcomes])
+def benchmark(run: Run, name: str, args: tuple[str, ...]) -> None:
+    """bf16 against FP8 (``benchmarks/gpu_throughput.py``): rows into results.json, the table into benchmark.md."""
+    if _stage_done(run, name, reserve=10):
+        return
+    table = STATE / f"{name}.md"
+    command = [sys.executable, "benchmarks/gpu_throughput.py", "--table", str(table),
+               "--budget", str(max(30, int(min(BY_STAGE[name].cap, run.left()) - 20))), *args]
+    code, output, seconds = run.sub(name, command, "benchmark.log", cap=BY_STAGE[name].cap, reserve=10)
+    rows = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("BENCH_ROW ")]
+    if code is None:  # stopped at its cap: the rows it printed are kept, a resume runs it again
+        run.stage(name, exit=code, seconds=round(seconds), rows=rows, stopped_at_cap=True)
+    else:
+        _finish(run, name, exit=code, seconds=round(seconds), rows=rows)
+    tables = [STATE / f"{b}.md" for b in ("benchmark", "benchmark_moe")]
+    (run.out / "benchmark.md").write_text("\n\n".join(t.read_text() for t in tables if t.is_file()))
 
 
-MOE_SECONDS = 120  # kept for the MoE rows (benchmark_moe) out of what the Llama rows may use
 MOE_ARGS = ("--model", "qwen3_moe", "--layers", "4", "--configs", "bf16,fp8-delayed,fp8-current", "--warmup", "2",
             "--steps", "6")
-
-
-def benchmark(run: Run) -> None:
-    command = [sys.executable, "benchmarks/gpu_throughput.py", "--table", str(run.out / "benchmark.md"),
-               "--budget", str(max(30, int(run.left() - 25 - MOE_SECONDS))),
-               *os.environ.get("GPU_KIT_BENCH_ARGS", "").split()]
-    code, output, seconds = run.sub("throughput benchmark", command, "benchmark.log", cap=260, reserve=10 + MOE_SECONDS)
-    rows = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("BENCH_ROW ")]
-    run.stage("benchmark", exit=code, seconds=round(seconds), rows=rows)
-
-
-def benchmark_moe(run: Run) -> None:
-    """bf16 vs FP8 on a Qwen3-MoE-shaped model: the experts on TE grouped GEMMs (fixes/moe_experts.py)."""
-    command = [sys.executable, "benchmarks/gpu_throughput.py", "--table", str(run.out / "benchmark_moe.md"),
-               "--budget", str(max(30, int(min(MOE_SECONDS, run.left() - 15)))), *MOE_ARGS]
-    code, output, seconds = run.sub("MoE throughput benchmark", command, "benchmark.log", cap=MOE_SECONDS, reserve=5)
-    rows = [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith("BENCH_ROW ")]
-    run.stage("benchmark_moe", exit=code, seconds=round(seconds), rows=rows)
 
 
 def summary(run: Run) -> None:
@@ -327,17 +368,23 @@ def summary(run: Run) -> None:
     lines = [f"# GPU truth kit run, {run.results['date_utc']}", ""]
     machine = run.results.get("machine", {})
     versions = machine.get("versions", {}) if isinstance(machine.get("versions"), dict) else {}
+    imported = stages.get("import", {})
     lines.append(f"GPU {versions.get('gpu')} ({machine.get('nvidia_smi', '?')}); Python {machine.get('python')}; "
                  f"torch {versions.get('torch')} (CUDA {versions.get('torch_cuda')}); accelerate "
-                 f"{versions.get('accelerate')}; transformers {versions.get('transformers')}; TE "
-                 f"{stages.get('import', {}).get('te_version')}")
+                 f"{imported.get('accelerate')} (the machine's {versions.get('accelerate')}); transformers "
+                 f"{imported.get('transformers')} (the machine's {versions.get('transformers')}); TE "
+                 f"{imported.get('te_version')}")
     lines += ["", _device_lines(machine.get("device", {}), stages), ""]
+    not_reached = [s.name for s in STAGES if not stages.get(s.name, {}).get("done")]
     for name, fields in stages.items():
-        brief = {k: v for k, v in fields.items() if k not in ("rows", "stderr_tail", "error_tail", "log")}
+        brief = {k: v for k, v in fields.items() if k not in ("rows", "stderr_tail", "error_tail", "log", "ranks")}
         lines.append(f"- **{name}**: `{json.dumps(brief, default=str)[:1500]}`")
-    for table in (run.out / "benchmark.md", run.out / "benchmark_moe.md"):
-        if table.is_file():
-            lines += ["", table.read_text()]
+    if not_reached:
+        lines += ["", f"Not done in this pass (on the warm machine: `python3 -m gpu_kit run --resume`): "
+                      f"{', '.join(not_reached)}"]
+    table = run.out / "benchmark.md"
+    if table.is_file():
+        lines += ["", table.read_text()]
     (run.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -365,6 +412,11 @@ def _device_lines(facts: dict, stages: dict) -> str:
 
 def run_main(args) -> int:
     run = Run(Path(args.out), args.budget)
+    previous = STATE / "results.json"
+    if args.resume and previous.is_file():  # a second pass on the warm machine: the first's results kept
+        run.results["stages"] = json.loads(previous.read_text()).get("stages", {})
+        run.done_before = {name for name, fields in run.results["stages"].items() if fields.get("done")}
+        run.log(f"resuming: {len(run.done_before)} stages done in an earlier pass")
     machine_file = STATE / "machine.json"
     run.results["machine"] = json.loads(machine_file.read_text()) if machine_file.is_file() else machine_facts()
     if "device_check" not in run.results["machine"]:  # a machine.json of an older kit
@@ -372,7 +424,9 @@ def run_main(args) -> int:
     run.stage("device", **run.results["machine"]["device_check"])
     run.log(device.describe(run.results["machine"]["device_check"]))
     if args.installed:  # any CUDA machine with TE installed by pip: no kit, the same checks
-        return checks(run, kit.import_probe(site=Path("/nonexistent")))
+        return checks(run, kit.import_probe(site=Path("/nonexistent"), timeout=BY_STAGE["import"].cap))
+    if "install" in run.done_before and kit.SITE.is_dir():
+        return checks(run, kit.import_probe(timeout=BY_STAGE["import"].cap))
     pip_log: list[str] = []
     try:
         manifest, installed = install(log=pip_log)
@@ -383,29 +437,34 @@ def run_main(args) -> int:
         return 1
     finally:
         run.log_handle.write("\n".join(pip_log) + "\n")
-    run.stage("install", **installed, manifest_created=manifest["created"], parts=len(manifest["parts"]))
-    run.log(f"installed {installed['te_wheels']} in {installed['assemble_s'] + installed['install_s']:.0f} s")
-    imported = kit.import_probe()
+    _finish(run, "install", **installed, manifest_created=manifest["created"], parts=len(manifest["parts"]))
+    run.log(f"installed {installed['te_wheels']} and {installed.get('carried')} in "
+            f"{installed['assemble_s'] + installed['install_s']:.0f} s")
+    imported = kit.import_probe(timeout=BY_STAGE["import"].cap)
     if _needs_rebuild(imported) and run.left() > 300:
         run.log(f"the prebuilt extension does not load ({imported.get('import')}): rebuilding it here")
         run.stage("import_prebuilt", **imported)
         if rebuild_extension(run, manifest, kit.SITE):
-            imported = kit.import_probe()
+            imported = kit.import_probe(timeout=BY_STAGE["import"].cap)
             imported["extension"] = "rebuilt on this machine"
     return checks(run, imported)
 
 
 def checks(run: Run, imported: dict) -> int:
-    run.stage("import", **imported)
-    run.log(f"import transformer_engine.pytorch: {imported.get('import')}; FP8: {imported.get('is_fp8_available')}")
+    run.stage("import", **imported, done=imported.get("import") == "ok")
+    run.log(f"import transformer_engine.pytorch: {imported.get('import')}; FP8: {imported.get('is_fp8_available')}; "
+            f"accelerate {imported.get('accelerate')}, transformers {imported.get('transformers')}")
     recheck_device(run, imported)
     if imported.get("import") != "ok":
         summary(run)
         return 1
-    tests_gpu(run)
-    ranks_runs(run)
-    benchmark(run)
-    benchmark_moe(run)
+    kernel_fixtures(run)
+    pytest_stage(run, "te_decides", ("tests/gpu/test_gpu_te_decides.py",))
+    pytest_stage(run, "gpu_files", GPU_FILES)
+    rank_job_runs(run)
+    pytest_stage(run, "compile", ("tests/gpu/test_compile_fp8_gpu.py",))
+    benchmark(run, "benchmark", tuple(os.environ.get("GPU_KIT_BENCH_ARGS", "").split()))
+    benchmark(run, "benchmark_moe", MOE_ARGS)
     run.log(f"done, {run.left():.0f} s of the budget left")
     summary(run)
     return 1 if run.results["stages"].get("device", {}).get("verdict") == "fail" else 0
@@ -431,6 +490,8 @@ def main(argv: list[str]) -> int:
     run = verbs.add_parser("run")
     run.add_argument("--out", required=True)
     run.add_argument("--budget", type=float, default=530)
+    run.add_argument("--resume", action="store_true",
+                     help="a second pass on the warm machine: stages an earlier pass finished are kept, not rerun")
     run.add_argument("--installed", action="store_true",
                      help="use the Transformer Engine this interpreter has (pip install), no kit parts")
     args = parser.parse_args(argv)

@@ -13,6 +13,10 @@ ranks holding the same experts, the rest across all ranks).
 With a ``cp`` dim (FSDP2 x CP) each step runs inside ``accelerator.maybe_context_parallel`` as README "Context
 parallelism" writes it (``input_ids``, ``shift_labels``, ``position_ids`` as buffers): a functional check — loss
 finite and the same global loss on every rank, FP8 state equal — not a throughput figure (the ranks share one GPU).
+
+``GPU_KIT_RANKS_DEVICE=cpu``: the same job on CPU processes over plain gloo (no CUDA call; the accelerate config from
+``rank_jobs.config_text(job, "cpu")``, TE's Python over the CPU rehearsal with ``ACCEL_FP8_FIX_REHEARSAL=1``) — only
+for ``gpu_kit.derive_probe``, which audits the collectives the job issues; the backend argument is then ignored.
 """
 
 import os
@@ -26,6 +30,8 @@ from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+CPU = os.environ.get("GPU_KIT_RANKS_DEVICE", "cuda") == "cpu"  # derive_probe's CPU run of the job
 
 
 def build_model(seed=0):
@@ -91,12 +97,18 @@ def fp8_state(model) -> dict:
         for key in ("scaling_fwd", "scaling_bwd"):
             if key in meta:
                 state[f"{name}.{key}.scale"] = meta[key].scale.detach().float().cpu().tolist()
-                state[f"{name}.{key}.amax_history"] = meta[key].amax_history.detach().float().cpu().tolist()
+                # row 0 is the step's pending, rank-local amax (the next reduction takes its max over ranks): TP
+                # shards differ there by design; the rows TE has reduced must agree (tests/support/fp8_scenarios.py
+                # reduced_fp8_state, the suite's same comparison)
+                state[f"{name}.{key}.amax_history"] = meta[key].amax_history[1:].detach().float().cpu().tolist()
     return state
 
 
 def main(backend: str, steps: int, load: str = "build") -> None:
-    torch.cuda.set_device(0)
+    if CPU:
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(0)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=90))
     from accelerate import Accelerator
 
@@ -140,7 +152,8 @@ def main(backend: str, steps: int, load: str = "build") -> None:
         optimizer.zero_grad()
         losses.append(float(accelerator.reduce(loss.detach(), "mean")))
         fp8_active.append(bool(te_modules) and all(m.fp8 for m in te_modules))
-    torch.cuda.synchronize()
+    if not CPU:
+        torch.cuda.synchronize()
 
     states, rank_losses = [None] * world, [None] * world
     dist.all_gather_object(states, fp8_state(model))
@@ -168,7 +181,7 @@ def main(backend: str, steps: int, load: str = "build") -> None:
             "equal_fp8_state_across_ranks": not unequal and bool(states[0]), "unequal": unequal[:10],
             "amax_group_ranks": list(setup.amax_group_ranks) if setup is not None else None,
             "experts_in_fp8": experts,
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+            "peak_memory_gib": None if CPU else round(torch.cuda.max_memory_allocated() / 2**30, 3),
         }
         print("RANKS_RESULT " + json.dumps(result), flush=True)
     accelerator.end_training()

@@ -3,9 +3,10 @@
 # (/tmp/accel_fp8_fix.mp.lock, or $ACCEL_FP8_FIX_TEST_LOCK; 0 = none) so that two runners never share the cores:
 # do not wrap it in another flock of the same file.
 #
-# With no arguments the suite runs as two pytest sessions side by side: the tests that use no rank pool (tests/unit;
-# the files of tests/network whose subprocesses are single interpreters: the GPU kit's, bar its 3-second 2-rank
-# probe, and the wheels'; and the files whose launches are fresh interpreters by design: the ways in, the demo, the
+# With no arguments the suite runs as two pytest sessions side by side: the tests that start no multi-rank job
+# (tests/unit, whose TE-in-a-fresh-process checks use one-rank pools; the files of tests/network whose subprocesses
+# are single interpreters: the GPU kit's and the wheels' — the kit's rank probe, test_gpu_kit_probe.py, runs in the
+# other session; and the files whose launches are fresh interpreters by design: the ways in, the demo, the
 # accelerate releases; ~5 minutes) beside the pooled multi-process layers, whose ranks leave a core idle ~20 % of
 # the time (waiting on each other, starting, collecting). The side session's report is printed after the other's,
 # and the command fails if either does (the pooled-equals-fresh check, tests/distributed/test_pool_agreement.py,

@@ -30,7 +30,10 @@ Use it three ways:
 
 Recorded per collective: op kind (``all_reduce``, ``all_gather``, ...; the Python API's ``c10d::allreduce_`` and
 the functional ``all_reduce`` are the same kind on the wire), the group's global ranks, dtype and the element
-count of this rank's input. ``all_to_all`` counts may differ by rank (uneven splits) and are not compared;
+count of this rank's input; seen at the dispatcher (not from the flight recorder, which does not say) also the
+reduce op (``sum``, ``max``, ``avg``...: ``reduce_op``) and an all-to-all's input dtype (``sent_dtype``) and this
+rank's element count per destination (``splits``) — none compared: gpu_kit's probe derivation reads them.
+``all_to_all`` counts may differ by rank (uneven splits) and are not compared;
 point-to-point ``send`` / ``recv`` are not collectives and are not recorded. Limits: the calling thread's
 collectives only (autograd's CPU backward runs in it).
 """
@@ -100,6 +103,9 @@ class Collective:
     numel: int | None
     group_name: str = ""  # c10d's name: two groups of the same ranks are two communicators under NCCL
     inside: str = ""  # the FSDP2 all-gather extension hook it was issued in ("": none)
+    reduce_op: str = ""  # "sum", "max", "avg"... (dispatcher records only; not compared)
+    splits: tuple[int, ...] = ()  # all_to_all: this rank's input elements per destination (dispatcher records only)
+    sent_dtype: str = ""  # all_to_all: the dtype sent (its ``dtype`` stays None, as from the flight recorder)
 
     def key(self) -> tuple:
         """What must agree across ranks (the op spelling may differ: Python API vs functional)."""
@@ -183,8 +189,45 @@ def _describe(func, args, kwargs) -> Collective | None:
     payload = _tensors(bound.get(payload_arg), []) if payload_arg else []
     dtype = str(payload[0].dtype).replace("torch.", "") if payload else None
     numel = sum(t.numel() for t in payload) if payload else None
+    splits: tuple[int, ...] = ()
+    sent_dtype = ""
+    if kind == "all_to_all":  # dtype and numel stay None (as compared); what it sends and to whom are noted
+        sent = _tensors(bound.get("input", bound.get("input_tensors")), [])
+        sent_dtype = str(sent[0].dtype).replace("torch.", "") if sent else ""
+        splits = _all_to_all_splits(sent, bound.get("input_split_sizes"), group[0])
     return Collective(kind=kind, op=f"{namespace}.{base}", group=group[0], dtype=dtype, numel=numel,
-                      group_name=group[1], inside=_extension_hook_on_stack())
+                      group_name=group[1], inside=_extension_hook_on_stack(), reduce_op=_reduce_op(bound),
+                      splits=splits, sent_dtype=sent_dtype)
+
+
+def _reduce_op(bound: dict) -> str:
+    """The reduce op among a dispatcher op's arguments, lower case ("" where it has none or it cannot be read): the
+    functional ops carry its name, c10d's a ``ReduceOp`` script object whose ``op()`` is the enum's value."""
+    op = bound.get("reduce_op")
+    if op is None:
+        return ""
+    if isinstance(op, str):
+        return op.lower()
+    try:
+        import torch.distributed as dist
+
+        return dist.ReduceOp.RedOpType(int(op.op())).name.lower()
+    except Exception:  # noqa: BLE001 - an unknown spelling: not recorded
+        return ""
+
+
+def _all_to_all_splits(sent: list, input_split_sizes, group: tuple) -> tuple[int, ...]:
+    """This rank's input elements per destination rank of an all-to-all."""
+    if len(sent) > 1:  # c10d's list form: one tensor per destination
+        return tuple(t.numel() for t in sent)
+    if not sent:
+        return ()
+    tensor = sent[0]
+    row = tensor.numel() // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 0
+    if input_split_sizes:
+        return tuple(int(n) * row for n in input_split_sizes)
+    parts = max(len(group), 1)
+    return tuple([tensor.numel() // parts] * parts)
 
 
 def _recorder_base():
@@ -517,7 +560,8 @@ def dump(recorder: CollectiveRecorder, path: Path, rank: int, world_size: int, f
 
 def _read(path: Path) -> tuple[dict, list[Collective]]:
     data = json.loads(path.read_text())
-    records = [Collective(**dict(r, group=tuple(r["group"]))) for r in data["records"]]
+    records = [Collective(**dict(r, group=tuple(r["group"]), splits=tuple(r.get("splits", ()))))
+               for r in data["records"]]
     return data, records
 
 
