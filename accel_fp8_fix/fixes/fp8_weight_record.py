@@ -23,7 +23,7 @@ backward re-gathers and recomputes reuse them. The hooks check their own weight'
 whose shard changed since the refresh — a forward that did not go through the prepared model after a change —
 raises :class:`~accel_fp8_fix.fixes.fp8_all_gather_policy.Fp8AllGatherError` naming the weight, never a stale or
 rank-local scale. The record is not specific to per-tensor scaling: every weight gathered in FP8 is in it (kind
-``per_tensor`` or ``block``), for whatever else needs "which converted weights changed this step".
+``per_tensor``, ``per_expert`` or ``block``), for whatever else needs "which converted weights changed this step".
 """
 
 from __future__ import annotations

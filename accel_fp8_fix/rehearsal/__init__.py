@@ -2,7 +2,8 @@
 
     ACCEL_FP8_FIX_REHEARSAL=1 accelerate launch ...     # or: from accel_fp8_fix import rehearsal; rehearsal.install()
 
-Two parts, both needed to run an FSDP2 / TP FP8 job on CPU processes (gloo):
+Three parts: the first two run an FSDP2 / TP FP8 job on CPU processes (gloo), the third context
+parallelism:
 
 - ``te_on_cpu``: TE's own ``transformer_engine.pytorch`` (the installed ``transformer-engine`` wheel) over
   a CPU stand-in for its kernel extension, with CUDA-as-CPU answers for TE's frames only;

@@ -161,3 +161,68 @@ def test_the_line_counts_the_architecture_map_claims():
     for folder, thousands in claims:
         lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / folder).rglob("*.py"))
         assert abs(lines - float(thousands) * 1000) <= 0.25 * lines, (folder, lines, thousands)
+
+
+# -- the layer table's imports ------------------------------------------------------------------------------------
+def _component(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).parts
+    return rel[0][:-3] if len(rel) == 1 else rel[0]
+
+
+def _imported_components(component: str) -> set[str]:
+    """Every package component ``component``'s modules import (function-level imports too), itself left out."""
+    import ast
+
+    files = [PACKAGE / f"{component}.py"] if (PACKAGE / f"{component}.py").is_file() else \
+        sorted((PACKAGE / component).rglob("*.py"))
+    found = set()
+    for path in files:
+        package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = list(package[: len(package) - node.level + 1]) if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                names = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+                if node.module and module == "accel_fp8_fix":
+                    names = [f"accel_fp8_fix.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != "accel_fp8_fix":
+                    continue
+                top = parts[1] if len(parts) > 1 else "__init__"
+                if not ((PACKAGE / top).is_dir() or (PACKAGE / f"{top}.py").is_file()):
+                    top = "__init__"  # a name the package's __init__ exports
+                found.add(top)
+    return found - {component}
+
+
+def _layer_rows() -> dict[str, str]:
+    """{"a, b": what the row says they import}: a row may hold several components ("`cli`, `__main__`")."""
+    text = _text(ROOT / "docs" / "architecture.md").split("## Layers", 1)[1]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[", ".join(re.findall(r"`(\w+)`", cells[0]))] = cells[2]
+    return rows
+
+
+@pytest.mark.parametrize("row", sorted(_layer_rows()))
+def test_the_layer_table_lists_what_each_layer_imports(row):
+    """A row whose imports are a plain list must name exactly what the layer's modules import; a row written as a
+    range ("`settings` to `engine` ...", "... and below") must name only what it imports (test_layout.py checks that
+    nothing comes from above)."""
+    said, own = _layer_rows()[row], set(row.split(", "))
+    listed = set(re.findall(r"`(\w+)`", said)) - own
+    actual = set().union(*(_imported_components(layer) for layer in own)) - own
+    layer = row
+    if said == "nothing":
+        assert actual == set(), (layer, actual)
+    elif re.search(r"\bto\b|and below|lazily|other ", said):
+        assert listed <= actual | {"__init__"}, (layer, said, actual)
+    else:
+        assert listed == actual, f"docs/architecture.md says {layer} imports {sorted(listed)}; it imports {sorted(actual)}"
