@@ -224,7 +224,53 @@ def test_dry_run_site_runs_the_trampoline_so_the_config_flag_reaches_workers(dry
     assert mode.startswith("accelerate config"), mode
 
 
-# -- the GPU-side scripts' own logic, on CPU -----------------------------------------------------------------
+# -- kernel fixtures: recorded on the GPU, replayed here through the shim -----------------------------------------
+def _rehearsal_or_skip():
+    import importlib.util
+
+    for needed in ("transformer_engine", "accel_fp8_fix.rehearsal"):  # found, not imported here
+        if importlib.util.find_spec(needed) is None:
+            pytest.skip(f"{needed} is not installed (the CPU rehearsal: pip install ./packaging/rehearsal)")
+
+
+def test_kernel_fixtures_record_replay_bit_for_bit_and_name_every_difference(tmp_path):
+    """The file the GPU stage writes, recorded here through the shim: under the device tool's 16 MiB, every case
+    recorded, and its replay equal bit for bit. A flipped FP8 code and a changed fp32 bit are each reported by
+    case and tensor, and the replay fails."""
+    _rehearsal_or_skip()
+    import torch
+
+    fixture = tmp_path / "kernels.pt"
+    done = subprocess.run([sys.executable, "-m", "gpu_kit.kernel_fixtures", "record", "--out", str(fixture),
+                           "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads(done.stdout.split("KERNEL_FIXTURES ", 1)[1].splitlines()[0])
+    assert summary["errors"] == {} and summary["cases"] >= 20 and summary["bytes"] < 16 * 2**20
+    report_file = tmp_path / "report.json"
+    replay = [sys.executable, "-m", "gpu_kit.kernel_fixtures", "replay", str(fixture), "--json", str(report_file)]
+    done = subprocess.run(replay, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    report = json.loads(report_file.read_text())
+    assert done.returncode == 0 and report["equal"], done.stdout[-3000:]
+    # the variants the replay tries: TF32 rounding of the fp32 GEMMs, fast accumulation of the FP8 ones
+    assert report["cases"]["fp32_gemm"]["matching"] == ["default", "ACCEL_FP8_FIX_REHEARSAL_TF32=auto",
+                                                        "ACCEL_FP8_FIX_REHEARSAL_TF32=rna"]
+    assert "ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM=1" not in report["cases"]["fp8_gemm_k2048_fast"]["matching"]
+
+    saved = torch.load(fixture, weights_only=False)
+    saved["cases"]["quantize_delayed_e4m3"]["outputs"]["data"].view(-1)[7] ^= 1  # one FP8 code, one step away
+    out = saved["cases"]["fp32_gemm"]["outputs"]["out"]
+    out.view(torch.int32).view(-1)[3] += 2  # two ulps
+    torch.save(saved, fixture)
+    done = subprocess.run(replay, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    report = json.loads(report_file.read_text())
+    assert done.returncode == 1 and not report["equal"]
+    data = report["cases"]["quantize_delayed_e4m3"]["default"]["tensors"]["data"]
+    assert (data["differ"], data["max_ulps"]) == (1, 1)
+    gemm = report["cases"]["fp32_gemm"]["default"]["tensors"]["out"]
+    assert (gemm["differ"], gemm["max_ulps"]) == (1, 2)
+    assert "| quantize_delayed_e4m3 | DIFFERENT |" in done.stdout and "| fp32_gemm | DIFFERENT |" in done.stdout
+
+
 # -- the benchmark's logic on CPU ---------------------------------------------------------------------------
 def test_throughput_benchmark_runs_bf16_and_delayed_fp8_through_the_patched_prepare(tmp_path):
     import importlib.util
