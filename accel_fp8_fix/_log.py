@@ -15,11 +15,21 @@ import sys
 import threading
 import warnings
 
+from . import caches
+
 logger = logging.getLogger("accel_fp8_fix")
 logger.addHandler(logging.NullHandler())  # a library: the application decides what is shown
 
 _lock = threading.Lock()
 _said: set = set()
+
+
+def _forget_said() -> None:
+    with _lock:
+        _said.clear()
+
+
+caches.register("_log: messages said once", _forget_said)
 _INTERNAL = (os.sep + "accel_fp8_fix" + os.sep, os.sep + "wrapt" + os.sep, os.sep + "accelerate" + os.sep,
              os.sep + "torch" + os.sep, "<frozen importlib")
 

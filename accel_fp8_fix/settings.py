@@ -14,14 +14,16 @@ accelerate exports, :func:`exported_fp8_env`, then reads those), so they cannot 
 
 ``owner``: who reads it — ``package`` (this package: every read goes through :func:`get`), ``rehearsal`` (the
 CPU rehearsal, ``accel_fp8_fix.rehearsal``, with its own reader that accepts exactly what is listed here) or
-``testing`` (``accel_fp8_fix.testing``). Stdlib only, and nothing from the package (the layer every other one
-reads: tests/unit/test_layout.py): imported by ``import accel_fp8_fix``. Choices another layer owns are handed in
+``testing`` (``accel_fp8_fix.testing``). Stdlib only, and nothing from the package but ``caches`` (the layer every
+other one reads: tests/unit/test_layout.py): imported by ``import accel_fp8_fix``. Choices another layer owns are handed in
 (:func:`provide_choices`: the patch sets' names).
 """
 
 from __future__ import annotations
 
 import os
+
+from . import caches
 
 ON_VALUES = ("1", "true", "yes", "on")
 OFF_VALUES = ("0", "false", "no", "off")
@@ -159,6 +161,7 @@ DEPRECATED = {"ACCEL_FP8_FIX_EMULATE_TE": REHEARSAL}  # old name -> new name: re
 FLIGHT_RECORDER = "TORCH_FR_BUFFER_SIZE"
 FLIGHT_RECORDER_ENTRIES = 16384
 _warned: set = set()
+caches.register("settings: deprecated names warned about", _warned.clear)
 
 REGISTRY: dict = {s.name: s for s in (
     Setting("ACCEL_FP8_FIX", "bool", "on: every Python process of the environment activates the fixes at start-up "

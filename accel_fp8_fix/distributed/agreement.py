@@ -11,7 +11,17 @@ from __future__ import annotations
 import itertools
 from datetime import timedelta
 
+from .. import caches
+
 _round = itertools.count()
+
+
+def _restart_rounds() -> None:  # rounds count per default group's store: a new group starts again at 0
+    global _round
+    _round = itertools.count()
+
+
+caches.register("distributed.agreement: patch-set check rounds", _restart_rounds)
 
 
 class PatchSetMismatchError(RuntimeError):

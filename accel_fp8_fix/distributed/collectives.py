@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import caches
 from .dtensor import is_dtensor
 
 __all__ = [
@@ -140,6 +141,9 @@ def clear_group_cache() -> None:
     with _cache_lock:
         _group_cache.clear()
         _cache_world[0] = None
+
+
+caches.register("distributed.collectives: flattened groups", clear_group_cache)
 
 
 def _cache_for_this_world() -> None:

@@ -66,6 +66,7 @@ import threading
 import time
 from datetime import timedelta
 
+from .. import caches
 from ..engine.engine import calling_patch_set, is_applied
 
 logger = logging.getLogger("accel_fp8_fix")
@@ -111,6 +112,18 @@ def _register() -> None:
         if not _registered:
             atexit.register(destroy_at_exit)
             _registered = True
+
+
+def _forget_registration() -> None:
+    """The exit handler unregistered (a process that runs several jobs: the next one's prepare registers anew)."""
+    global _registered, _patch_set
+    with _lock:
+        if _registered:
+            atexit.unregister(destroy_at_exit)
+        _registered, _patch_set = False, None
+
+
+caches.register("fixes.clean_exit: the exit handler's registration", _forget_registration)
 
 
 def _fix_applied() -> bool:

@@ -29,6 +29,7 @@ from .fp8_plan import Fp8Plan, plan_fp8
 from .fp8_state import amax_group_of, broadcast_fp8_state, register_tensor_state
 from .fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
+from . import run_state
 from .presharded import check_mesh_matches
 from .te_convert import ConversionReport, convert_after_sharding
 from .tp_layout import record_tp_layout
@@ -36,8 +37,6 @@ from .transformers_check import check_model as check_transformers_internals
 
 logger = logging.getLogger(__name__)
 
-DEFER_FLAG = "_accel_fp8_fix_defer_te"
-PENDING = "_accel_fp8_fix_pending_model"  # the model fixes/trainer.py:prepare_model kept for the optimizer's prepare
 
 
 @dataclass
@@ -74,12 +73,13 @@ def _the_model(objects):
 def with_pending_model(instance, args: tuple):
     """For ``prepare(*args)``: ``(args, model)`` with the model ``prepare_model`` kept aside put first when ``args``
     hold an optimizer and no model (else ``model`` is None and ``args`` unchanged)."""
-    model = getattr(instance, PENDING, None)
+    kept = run_state.record(instance)
+    model = kept.pending_model
     if model is None or any(isinstance(a, torch.nn.Module) for a in args):
         return args, None
     if not any(isinstance(a, torch.optim.Optimizer) for a in args):
         return args, None
-    setattr(instance, PENDING, None)
+    kept.pending_model = None
     return (model, *args), model
 
 
@@ -98,9 +98,10 @@ def drop_pending_model(result, model):
 def prepare(wrapped, instance, args, kwargs):
     """Errors leaving it get a note, and the prepared model its audit setup, from the hooks the TOML declares
     (``notes``, ``on_return``: diagnostics/notes.py)."""
-    if not getattr(instance, "_accel_fp8_fix_agreed", False):
+    kept = run_state.record(instance)
+    if not kept.agreed:
         check_patch_set_agreement(calling_patch_set())
-        instance._accel_fp8_fix_agreed = True
+        kept.agreed = True
     if not handles_fp8_prepare(instance):
         return wrapped(*args, **kwargs)
     args, pending = with_pending_model(instance, args)  # a model Trainer prepared alone (A22)
@@ -112,11 +113,8 @@ def prepare(wrapped, instance, args, kwargs):
         check_mesh_matches(instance, model)  # a model transformers sharded at load (A18) must match the config
         check_transformers_internals(model)  # what it uses of transformers' internals: a tested release's source
         record_tp_layout(model)
-    setattr(instance, DEFER_FLAG, True)
-    try:
+    with run_state.preparing(instance):
         result = wrapped(*args, **kwargs)
-    finally:
-        setattr(instance, DEFER_FLAG, False)
     prepared = _the_model(result if isinstance(result, (tuple, list)) else (result,))
     if prepared is not None:
         instance.accel_fp8_fix = finish_fp8_prepare(instance, prepared, plan)
@@ -126,7 +124,7 @@ def prepare(wrapped, instance, args, kwargs):
 
 def prepare_te(wrapped, instance, args, kwargs):
     """``Accelerator._prepare_te``: while a patched prepare runs, validate like stock but do not convert."""
-    if not getattr(instance, DEFER_FLAG, False):
+    if not run_state.inside_prepare(instance):
         return wrapped(*args, **kwargs)
     models = [o for o in args if isinstance(o, torch.nn.Module)]
     optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer)]

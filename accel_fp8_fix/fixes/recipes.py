@@ -23,8 +23,6 @@ launch`` would export, ``settings_from_env``), ``Accelerator()`` (fixes/accelera
 
 from __future__ import annotations
 
-import sys
-
 from .. import settings
 from .handler_choices import choice_of
 
@@ -194,11 +192,10 @@ def _te_version() -> str:
 def _device() -> str:
     """The GPU as TE sees it (TE's own capability query; the CPU rehearsal answers for TE's frames only)."""
     try:
-        from ..internals.transformer_engine import device_compute_capability
+        from ..internals.transformer_engine import device_compute_capability, extension_is_cpu_rehearsal
 
         major, minor = device_compute_capability()
-        rehearsal = sys.modules.get("accel_fp8_fix.rehearsal.te_on_cpu")
-        where = " (the CPU rehearsal's answer)" if rehearsal is not None and rehearsal.is_installed() else ""
+        where = " (the CPU rehearsal's answer)" if extension_is_cpu_rehearsal() else ""
         return f"a GPU of compute capability {major}.{minor} (sm{major}{minor}){where}"
     except Exception as exc:  # noqa: BLE001 - no CUDA device at all
         return f"no usable GPU ({type(exc).__name__}: {exc})"

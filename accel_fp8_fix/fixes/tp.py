@@ -23,6 +23,7 @@ from torch import nn
 from ..distributed.dtensor import is_dtensor
 from ..internals.accelerate_internals import prepare_one
 from ..internals import transformers_features, transformers_tp
+from . import run_state
 from .local_shards import install_local_shards
 from .tp_layout import TP_ATTR
 
@@ -116,13 +117,11 @@ def prepare_tp(wrapped, instance, args, kwargs):
     """``Accelerator._prepare_tp``: same passes as stock, then this package's Replicate wrapping (no
     ``ReplicateParallel``) when FSDP2 is on or when the TE prepare of this package runs. First, every model's
     head counts are checked against ``tp_size`` (:func:`check_heads_divisible`)."""
-    from .prepare import DEFER_FLAG
-
     pc = getattr(instance, "parallelism_config", None)
     for obj in args:
         if isinstance(obj, nn.Module):
             check_heads_divisible(obj, getattr(pc, "tp_size", 1) or 1)
-    if not (instance.is_fsdp2 or getattr(instance, DEFER_FLAG, False)):
+    if not (instance.is_fsdp2 or run_state.inside_prepare(instance)):
         return wrapped(*args, **kwargs)
     result = [prepare_one(instance, obj, first_pass=True) if not isinstance(obj, nn.Module) else obj for obj in args]
     result = [prepare_one(instance, obj) if not isinstance(obj, nn.Module) else obj for obj in result]

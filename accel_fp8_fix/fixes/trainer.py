@@ -25,7 +25,8 @@ import torch
 from .._log import say
 from ..distributed.dtensor import is_dtensor
 from ..internals import transformers_features
-from .prepare import DEFER_FLAG, PENDING, handles_fp8_prepare
+from . import run_state
+from .prepare import handles_fp8_prepare
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def _deferred(instance, model) -> bool:
     """A model sharded at load, passed to ``prepare_model`` alone by an accelerator whose prepare this package
     patches (TE FP8 with FSDP2 or TP), and not already prepared."""
     return (isinstance(model, torch.nn.Module)
-            and not getattr(instance, DEFER_FLAG, False)  # not the inner call of a (patched) prepare
+            and not run_state.inside_prepare(instance)  # not the inner call of a (patched) prepare
             and not getattr(model, "_is_accelerate_prepared", False)
             and getattr(model, "is_distributed_loading_by_transformers", False)
             and any(is_dtensor(p) for p in model.parameters())
@@ -52,7 +53,7 @@ def prepare_model(wrapped, instance, args, kwargs):
     if not (evaluation_mode and _deferred(instance, model)):
         return wrapped(*args, **kwargs)
     transformers_features.require("trainer_handoff", [type(model).__name__])  # the hand-off this waits for
-    setattr(instance, PENDING, model)
+    run_state.record(instance).pending_model = model
     say(logger, logging.INFO,
         f"accel_fp8_fix: {type(model).__name__} was sharded at load (DistributedConfig) and is prepared without its "
         "optimizer (transformers' Trainer): Transformer Engine conversion and FP8 wait for the optimizer's prepare")

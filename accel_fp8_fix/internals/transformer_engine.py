@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Mapping
 
 GEMMS_PER_MODULE = {"LayerNormMLP": 2}  # TE's num_gemms per forward; 1 for Linear / LayerNormLinear
@@ -265,6 +266,12 @@ def support_check(check_name: str):
     """TE's ``check_*_support`` function named ``check_name`` (``() -> (available, reason)``), or None for a TE
     without it."""
     return getattr(_quantization(), check_name, None)
+
+
+def extension_is_cpu_rehearsal() -> bool:
+    """TE's kernel extension here is the CPU rehearsal's shim (accel_fp8_fix.rehearsal.te_on_cpu), not CUDA's."""
+    extension = sys.modules.get("transformer_engine_torch")
+    return getattr(extension, "__name__", "").startswith("accel_fp8_fix.rehearsal.")
 
 
 def device_compute_capability() -> tuple[int, int]:

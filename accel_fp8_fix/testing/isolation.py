@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import logging
 import os
 import sys
@@ -151,9 +150,6 @@ def _restore_libraries() -> None:
         if manager is not None:
             manager.reset()
             break
-    te_on_cpu = sys.modules.get("accel_fp8_fix.rehearsal.te_on_cpu")
-    if te_on_cpu is not None and te_on_cpu.is_installed():
-        te_on_cpu.reset_stats()
     dtensor_random = sys.modules.get("torch.distributed.tensor._random")
     if dtensor_random is not None:  # DTensor's RNG tracker: made (and synced over the mesh) by a fresh run's first
         dtensor_random._rng_tracker = None  # random op on a DTensor, as in a fresh interpreter
@@ -190,15 +186,26 @@ def _clear_dtensor_caches() -> None:
                 value.cache_clear()  # module-level functools caches (_redistribute._gen_transform_infos, ...)
 
 
+def _patch_modules():
+    """The public API (which patch set is applied) and the rehearsal's gates (None without the rehearsal's wheel)."""
+    from .. import _api
+
+    try:
+        from ..rehearsal import gates
+    except ImportError:
+        gates = None
+    return _api, gates
+
+
 def _patches_applied() -> dict:
-    api, gates = sys.modules.get("accel_fp8_fix._api"), sys.modules.get("accel_fp8_fix.rehearsal.gates")
+    api, gates = _patch_modules()
     return {"fixes": api.active_patch_set() if api is not None else None,
             "gates": bool(gates is not None and gates.is_applied())}
 
 
 def _reapply_patches(baseline: dict) -> list[str]:
     """The patch sets undone, then re-applied where start-up had them applied; what differs afterwards."""
-    api, gates = sys.modules.get("accel_fp8_fix._api"), sys.modules.get("accel_fp8_fix.rehearsal.gates")
+    api, gates = _patch_modules()
     if api is not None:
         api.deactivate()
     if gates is not None:
@@ -213,22 +220,10 @@ def _reapply_patches(baseline: dict) -> list[str]:
 
 
 def _reset_package_caches() -> None:
-    log = sys.modules.get("accel_fp8_fix._log")
-    if log is not None:
-        with log._lock:
-            log._said.clear()
-    collectives = sys.modules.get("accel_fp8_fix.distributed.collectives")
-    if collectives is not None:
-        collectives.clear_group_cache()  # groups of the run's (destroyed) default group
-    agreement = sys.modules.get("accel_fp8_fix.distributed.agreement")
-    if agreement is not None:
-        agreement._round = itertools.count()  # rounds of the patch-set check count per default group's store
-    clean_exit = sys.modules.get("accel_fp8_fix.fixes.clean_exit")
-    if clean_exit is not None and clean_exit._registered:
-        import atexit
+    """Every module-level cache of the package, emptied through the one registry (accel_fp8_fix/caches.py)."""
+    from .. import caches
 
-        atexit.unregister(clean_exit.destroy_at_exit)
-        clean_exit._registered, clean_exit._patch_set = False, None
+    caches.reset()
 
 
 class Baseline:

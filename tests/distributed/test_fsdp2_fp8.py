@@ -148,8 +148,15 @@ def test_checkpoint_saved_on_4_ranks_loads_on_2_bit_for_bit(tmp_path):
     # the export (get_state_dict's default unwrap=True, what save_model writes): every weight, no FP8 state
     assert first["export_keys"] == sorted(k for k in keys if not k.endswith("_extra_state"))
     plan = [("sc_checkpoint_load", {"out_dir": str(tmp_path)}),
-            ("sc_checkpoint_load", {"out_dir": str(tmp_path), "recompute_entry": True})]
+            ("sc_checkpoint_load", {"out_dir": str(tmp_path), "recompute_entry": True}),
+            ("sc_gradient_checkpointing_resume", {"out_dir": str(tmp_path)})]
     loaded = scenarios.launch(fp8_scenarios, plan, 2)
+    # transformers' gradient checkpointing: saved at step 2 (TE's recompute entry in its pickles), resumed by a
+    # fresh model of another init, ends where the uninterrupted run ends, bit for bit (issue 47 item 4)
+    for f in scenarios.facts_of(loaded, "sc_gradient_checkpointing_resume"):
+        assert f["first_losses"] == f["whole_losses"][:2] and f["resumed_losses"] == f["whole_losses"][2:]
+        assert f["weights"] > 10 and f["unequal_weights"] == []
+        assert f["fp8_states"] > 0 and f["fp8_nontrivial"] > 0 and f["unequal_fp8"] == []
     # a loading model whose TE pickles are longer than the checkpoint's (TE's recompute entry: gradient
     # checkpointing in the resumed run) loads the same state: the _extra_state buffers take the checkpoint's size
     for f in scenarios.plan_facts(loaded, plan, "sc_checkpoint_load", plan[1][1]):

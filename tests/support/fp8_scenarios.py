@@ -440,6 +440,55 @@ def sc_checkpoint_load(rank, world_size, out_dir, recompute_entry=False):
             "nonempty_extra_state": len(nonempty), "fp8_state_identical": same_fp8, "extra_state_sizes": sizes}
 
 
+def sc_gradient_checkpointing_resume(rank, world_size, out_dir, steps=4, saved_at=2):
+    """transformers' gradient checkpointing with FP8 under FSDP2, stopped and resumed (issue 47 item 4): one run
+    saves at step ``saved_at`` — its TE modules carry the recompute's extra fp8_meta entry by then, so its
+    ``_extra_state`` pickles are longer than a fresh model's (A24) — and a fresh model (another init) and accelerator
+    load it and train on to ``steps``. Against the uninterrupted run: the losses after the resume, every weight shard
+    and every FP8 state, bit for bit. The batch of step ``i`` depends on ``i`` alone (the data position)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+
+    scenarios.ensure_rehearsal(True)
+
+    def train(seed, first, last, load=None, save=None):
+        acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=RECIPE,
+                                         wrap_cls=["LlamaDecoderLayer"],
+                                         mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                                     reduce_dtype=torch.float32))
+        model = scenarios.tiny_llama(seed=seed)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = acc.prepare(model, opt)
+        if load:
+            acc.load_state(load)
+        losses = []
+        for step in range(first, last):
+            loss = model(**scenarios.token_batch(batch=2, seq=8, seed=1000 * step + rank)).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        if save:
+            acc.save_state(save)
+        shards = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+                  for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        return losses, shards, {k: v.clone() for k, v in fp8_state_tensors(model).items()}
+
+    whole_losses, whole, whole_fp8 = train(0, 0, steps)
+    checkpoint = os.path.join(out_dir, "gradient_checkpointing")
+    first_losses, _, _ = train(0, 0, saved_at, save=checkpoint)
+    resumed_losses, resumed, resumed_fp8 = train(1, saved_at, steps, load=checkpoint)
+    return {"whole_losses": whole_losses, "first_losses": first_losses, "resumed_losses": resumed_losses,
+            "weights": len(whole), "unequal_weights": sorted(k for k in whole if not torch.equal(whole[k], resumed[k])),
+            "fp8_states": len(whole_fp8),  # trained, not initial values (scales of 1, histories of 0)
+            "fp8_nontrivial": sum(int(float(v.float().abs().sum()) not in (0.0, v.numel())) for v in whole_fp8.values()),
+            "unequal_fp8": sorted(k for k in whole_fp8 if k not in resumed_fp8 or not torch.equal(whole_fp8[k],
+                                                                                                resumed_fp8[k]))}
+
+
 # The defaults scenarios.launch(this module, plan, world_size) takes where its call does not say.
 LAUNCH = {"env": scenarios.ENV_FIXED, "timeout": 300.0, "collective_timeout": 90.0}
 

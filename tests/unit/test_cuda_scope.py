@@ -182,20 +182,22 @@ def _scoped_world(rank, world_size, script_dir):
     # kernels (most of a step's torch calls), not passed through Python; a CUDA request inside one fails
     from torch.overrides import _get_current_function_mode_stack
 
+    from accel_fp8_fix.rehearsal.te_on_cpu import kernels
+
     tex = sys.modules["transformer_engine_torch"]
     seen = []
-    kind_of = tex._quantizer_kind
+    kind_of = kernels._quantizer_kind
 
     def recording_kind_of(quantizer):  # called by the shim's quantize / GEMM during a real FP8 step
         seen.append(sorted({type(m).__name__ for m in _get_current_function_mode_stack()}))
         return kind_of(quantizer)
 
-    tex._quantizer_kind = recording_kind_of
+    kernels._quantizer_kind = recording_kind_of  # the kernels' own helper (tex.py assembles them)
     try:
         with te.autocast(enabled=True, recipe=DelayedScaling()):
             linear(torch.randn(16, 32)).sum().backward()
     finally:
-        tex._quantizer_kind = kind_of
+        kernels._quantizer_kind = kind_of
     shim_probe = {"__name__": cuda_as_cpu._SHIM, "torch": torch}
     exec("def alloc():\n    return torch.zeros(2, device='cuda')\n", shim_probe)
     out["shim"] = {"modes_in_kernels": sorted(set(map(tuple, seen))), "kernel_calls": len(seen),

@@ -19,11 +19,18 @@ from torch import nn
 from accel_fp8_fix.diagnostics import notes
 from accel_fp8_fix.diagnostics.audit import audit
 from accel_fp8_fix.diagnostics.launch_check import check_launch_config
+from accel_fp8_fix.fixes import run_state
 
 ROOT = Path(__file__).resolve().parents[2]
 MIXED = ("aten.mul.Tensor got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before "
          "calling distributed operators!")
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_"))}
+
+
+class FakeAccelerator(SimpleNamespace):
+    """An accelerator stand-in the package can keep a record for (identity-hashed, weakly referenced)."""
+
+    __hash__ = object.__hash__
 
 
 def _raise_mixed():
@@ -292,8 +299,8 @@ def test_declared_notes_hooks_note_the_same_exception_and_never_replace_it():
         raise original
 
     model = nn.Linear(16, 16)
-    accelerator = SimpleNamespace(_accel_fp8_fix_agreed=True, fp8_backend=None, _models=[model],
-                                  state=SimpleNamespace(fsdp_plugin=None))
+    accelerator = FakeAccelerator(fp8_backend=None, _models=[model], state=SimpleNamespace(fsdp_plugin=None))
+    run_state.record(accelerator).agreed = True  # no patch-set agreement round: no process group here
     wrappers = _declared_wrappers()
     assert set(wrappers) == {"Accelerator.prepare", "Accelerator.backward", "Accelerator.clip_grad_norm_",
                              "Accelerator.save_state", "Accelerator.load_state", "optimizer.step"}

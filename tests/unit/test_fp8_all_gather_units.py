@@ -30,6 +30,36 @@ def test_scales_are_the_kernels_compute_scale_from_amax_bit_for_bit(fp8_max, pow
     assert torch.equal(mine.view(torch.int32), shim.view(torch.int32)), (mine, shim)
 
 
+# TE's compute_scale_from_amax (transformer_engine/common/recipe/recipe_common.cuh; the same function in v2.18 and
+# main at d0067d0, 2.20.0.dev0), worked through by hand for these inputs — not through the rehearsal's copy:
+#   amax < epsilon -> amax = epsilon;  inf / 0 / NaN amax -> 1;  scale = __fdiv_rn(max_fp8, amax) (fp32, round to
+#   nearest);  an infinite scale -> value_for_inf (FLT_MAX for fp32 input);  force_pow_2: bits & 0xFF800000.
+# (amax, max_fp8, force_pow_2, epsilon) -> the scale's fp32 bits
+TE_SCALES = [
+    ((3.0, 448.0, False, 0.0), 0x43155555),  # 448 / 3 = 149.333... rounded to nearest in fp32
+    ((3.0, 448.0, True, 0.0), 0x43000000),  # mantissa cleared: 128
+    ((0.1, 448.0, False, 0.0), 0x458C0000),  # 448 / 0.1f = 4479.99993..., rounds to 4480
+    ((1e-3, 448.0, False, 0.0), 0x48DABFFF),  # 447999.97
+    ((1e-3, 448.0, False, 0.01), 0x472F0000),  # amax floored to epsilon: 448 / 0.01f = 44800
+    ((0.0, 448.0, False, 0.0), 0x3F800000),  # zero amax: 1
+    ((0.0, 448.0, False, 1e-3), 0x48DABFFF),  # zero amax floored to epsilon first: 448 / 1e-3f, not 1
+    ((math.inf, 448.0, False, 0.0), 0x3F800000),  # infinite amax: 1
+    ((math.nan, 448.0, False, 1e-3), 0x3F800000),  # NaN is not < epsilon, then 1
+    ((1.401298464324817e-45, 448.0, False, 0.0), 0x7F7FFFFF),  # 448 / the smallest subnormal overflows: FLT_MAX
+    ((1.401298464324817e-45, 448.0, True, 0.0), 0x7F000000),  # FLT_MAX's mantissa cleared: 2**127
+    ((1e38, 448.0, False, 0.0), 0x04BE8EE2),  # a tiny normal scale
+    ((3.14159, 57344.0, False, 0.0), 0x468E9A5B),  # E5M2's max
+]
+
+
+@pytest.mark.parametrize("inputs,bits", TE_SCALES, ids=[f"{a}-{m}-{p}-{e}" for (a, m, p, e), _ in TE_SCALES])
+def test_scales_are_tes_compute_scale_from_amax_as_its_source_reads(inputs, bits):
+    amax, fp8_max, pow2, epsilon = inputs
+    params = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=fp8_max, force_pow_2=pow2, epsilon=epsilon)
+    scale = fp8_all_gather_fix.scales_from_amaxes(torch.tensor([amax], dtype=torch.float32), params)
+    assert int(scale.view(torch.int32).item()) & 0xFFFFFFFF == bits, (float(scale), hex(bits))
+
+
 def test_delayed_margin_divides_by_a_power_of_two_exactly():
     base = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=448.0)
     margin = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=448.0, margin=2)

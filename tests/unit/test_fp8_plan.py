@@ -17,7 +17,7 @@ te_on_cpu.install()  # TE's real Python (its recipe classes) over the CPU kernel
 
 from accel_fp8_fix.fixes import fp8_all_gather, fp8_all_gather_policy, fp8_plan, handler_choices  # noqa: E402
 from accel_fp8_fix.fixes import prepare as prepare_fix  # noqa: E402
-from accel_fp8_fix.fixes import recipes  # noqa: E402
+from accel_fp8_fix.fixes import recipes, run_state  # noqa: E402
 from accel_fp8_fix.fixes.recipe_kwargs import te_recipe_kwargs  # noqa: E402
 from accel_fp8_fix.fixes.te_convert import ConversionReport  # noqa: E402
 
@@ -38,9 +38,15 @@ class _TEModule(nn.Linear):
         self.initialised = num_gemms
 
 
+class _Accelerator(SimpleNamespace):
+    __hash__ = object.__hash__  # the package keeps a record per accelerator (fixes/run_state.py)
+
+
 def _accelerator(handler):
-    return SimpleNamespace(te_recipe_handler=handler, is_fsdp2=True, state=SimpleNamespace(fsdp_plugin=None),
-                           _accel_fp8_fix_agreed=True, parallelism_config=None)
+    accelerator = _Accelerator(te_recipe_handler=handler, is_fsdp2=True, state=SimpleNamespace(fsdp_plugin=None),
+                               parallelism_config=None)
+    run_state.record(accelerator).agreed = True  # no patch-set agreement round: no process group here
+    return accelerator
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@
   imported by the fixes;
 * no import cycle: the module graph of every import statement (those inside functions too) has no circle;
 * the arrows run one way, down the layer order of docs/architecture.md (``LAYERS``): a module imports only from
-  its own layer or below — so ``settings`` imports nothing from the package, ``internals/`` nothing from
+  its own layer or below — so ``settings`` imports nothing from the package but ``caches``, ``internals/`` nothing from
   ``engine/``, ``fixes/`` never ``diagnostics/`` or the public API (``_api``);
 * collectives go through the family, ``distributed/``: no direct ``torch.distributed`` collective call elsewhere
   (the rehearsal's stand-ins for TE's C++ all-reduce and the test bed's own barrier are outside the rule);
@@ -28,7 +28,8 @@ MAX_FUNCTION_LINES = 80
 # The layer order of docs/architecture.md, bottom first: a package (or top-level module) per entry, named by its
 # first path part under accel_fp8_fix/ ("__init__": the package's own __init__.py).
 LAYERS = (
-    ("settings",),  # the registry every layer reads: imports nothing from the package
+    ("caches",),  # where every module-level cache registers its reset: imports nothing from the package
+    ("settings",),  # the registry every layer reads: imports only caches
     ("_log",),
     ("internals",),
     ("distributed",),
@@ -42,14 +43,6 @@ LAYERS = (
     ("__init__",),
     ("_bootstrap",),
 )
-# TEMPORARY, the one known circle (issue 29 item 1, still open): the rehearsal's tex <-> grouped (tex also reaches
-# its package for te_version, and the package imports tex). Tolerated only inside these three modules; delete the
-# constant when the split lands (the kernels grouped needs in tex, te_version in a module of its own).
-_CYCLE_REMOVED_ON_SHIM_BRANCH = frozenset({
-    "accel_fp8_fix.rehearsal.te_on_cpu.tex",
-    "accel_fp8_fix.rehearsal.te_on_cpu.grouped",
-    "accel_fp8_fix.rehearsal.te_on_cpu",
-})
 # The family (distributed/collectives.py) names its group and refuses a DTensor; these go around it.
 COLLECTIVE_CALLS = frozenset({
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
@@ -148,8 +141,6 @@ def test_no_import_cycle():
     graph = _import_graph()
     wrong = []
     for component in _cycles(graph):
-        if component <= _CYCLE_REMOVED_ON_SHIM_BRANCH:
-            continue
         edges = [f"{a} -> {b} ({', '.join(f'{f}:{line}' for f, line in graph[a][b])})"
                  for a in sorted(component) for b in sorted(graph[a]) if b in component]
         wrong.append(f"cycle {sorted(component)}: " + "; ".join(edges))
@@ -343,3 +334,87 @@ def test_the_te_fence_sees_attributes_and_getattr():
     found = _te_attribute_uses(ast.parse(source), Path("x.py"))
     assert sorted(found) == ["x.py:2 .fp8_meta", "x.py:3 hasattr(..., 'init_fp8_metadata')",
                              "x.py:4 getattr(..., '_rowwise_data')"], found
+
+
+# -- the package owns its state (issue 46 item 2) -----------------------------------------------------------------
+# What passes between the stages of a run lives in the package's records (fixes/run_state.py), looked up by the
+# package — never as attributes on accelerate's, torch's or TE's objects. Attributes that only mark a step done (so
+# that it is idempotent) may stay: MARKERS. NOT_YET_MOVED: state still carried on foreign objects; the list only
+# shrinks (a name moved must leave it, a new one fails here).
+MARKERS = frozenset({
+    "_accel_fp8_fix_autocast",  # a forward wrapped under TE autocast (fixes/fp8_autocast.py)
+    "_accel_fp8_fix_observed",  # TE's amax reduction observed (rehearsal)
+    "_accel_fp8_fix_keeps_fp8_state",  # a TE module's get_extra_state wrapped (fixes/checkpoint.py)
+    "_accel_fp8_fix_forward_notes",  # a model's forward error notes installed (diagnostics/notes.py)
+    "_self_accel_fp8_fix_audit",  # a collective wrapped by the audit (testing/collective_order.py)
+    "_accel_fp8_fix_noted", "_accel_fp8_fix_diagnosed",  # an exception given its note (diagnostics/notes.py)
+})
+NOT_YET_MOVED = frozenset({
+    "_accel_fp8_fix_state_link", "_accel_fp8_fix_saved_params", "_accel_fp8_fix_all_gather", "_accel_fp8_fix_tp",
+    "_accel_fp8_fix_te_experts", "_accel_fp8_fix_output_layer", "_accel_fp8_fix_ep_fp8", "_accel_fp8_fix_amax_group",
+})
+
+
+def test_no_package_state_on_foreign_objects_but_markers():
+    import re
+
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        found |= set(re.findall(r"_(?:self_)?accel_fp8_fix_[a-z0-9_]*[a-z0-9]", path.read_text()))
+    found = {name if name.startswith("_self_") else "_" + name.lstrip("_") for name in found}
+    found = {n for n in found if not n.startswith("_accel_fp8_fix_ep_fp8_")} | (  # ep_checkpoint's prefix + suffix
+        {"_accel_fp8_fix_ep_fp8"} if any(n.startswith("_accel_fp8_fix_ep_fp8") for n in found) else set())
+    new = found - MARKERS - NOT_YET_MOVED
+    assert not new, f"state on foreign objects: keep it in the package's records (fixes/run_state.py): {sorted(new)}"
+    moved = NOT_YET_MOVED - found
+    assert not moved, f"moved into the package's records: take them off NOT_YET_MOVED: {sorted(moved)}"
+
+
+def test_inside_a_patched_prepare_is_a_context_variable():
+    """The flag the inner calls of a patched prepare read is a ContextVar of the package, set for that accelerator
+    only: another accelerator, or the same one outside the block, is not inside."""
+    from accel_fp8_fix.fixes import run_state
+
+    class Accelerator:
+        pass
+
+    first, second = Accelerator(), Accelerator()
+    assert not run_state.inside_prepare(first)
+    with run_state.preparing(first):
+        assert run_state.inside_prepare(first) and not run_state.inside_prepare(second)
+        with run_state.preparing(second):
+            assert run_state.inside_prepare(second) and not run_state.inside_prepare(first)
+        assert run_state.inside_prepare(first)
+    assert not run_state.inside_prepare(first) and not vars(first)  # nothing set on the accelerator
+    run_state.record(first).agreed = True
+    assert run_state.record(first).agreed and not run_state.record(second).agreed and not vars(first)
+
+
+def test_no_module_of_the_package_is_reached_through_sys_modules():
+    """A module of the package is imported (or registers itself: accel_fp8_fix/caches.py), never fetched from
+    ``sys.modules`` — a reach-in that hides an arrow from the layer check."""
+    import re
+
+    found = [f"{path.relative_to(PACKAGE.parent)}:{i}" for path in PACKAGE.rglob("*.py")
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"""sys\.modules(?:\.get\(|\[)\s*["']accel_fp8_fix""", line)]
+    assert not found, found
+
+
+def test_every_module_level_cache_is_emptied_by_the_one_reset():
+    """The caches a rank pool empties between runs, registered by their modules: reset() empties each."""
+    import accel_fp8_fix.distributed.collectives as collectives
+    from accel_fp8_fix import _log, caches, settings
+    from accel_fp8_fix.distributed import agreement
+    from accel_fp8_fix.fixes import clean_exit
+
+    names = caches.registered()
+    for module in ("_log", "settings", "distributed.collectives", "distributed.agreement", "fixes.clean_exit"):
+        assert any(n.startswith(module + ":") for n in names), (module, names)
+    _log._said.add("x")
+    settings._warned.add("y")
+    next(agreement._round)
+    collectives._cache_world[0] = "a world"
+    caches.reset()
+    assert not _log._said and not settings._warned and next(agreement._round) == 0
+    assert collectives._cache_world[0] is None and not clean_exit._registered

@@ -5,7 +5,7 @@
     import transformer_engine.pytorch as te   # TE's real Python (the installed wheel)
 
 Needs the pure-Python ``transformer-engine`` wheel (``pip install --no-deps transformer-engine==2.20.2``);
-supplies what a CPU lacks: ``transformer_engine_torch`` (``tex.py``, CPU kernels), CUDA-as-CPU answers
+supplies what a CPU lacks: ``transformer_engine_torch`` (``tex.py`` over ``kernels.py``), CUDA-as-CPU answers
 for TE's frames (``cuda_as_cpu.py``), and a way past TE's core-library loading. Refuses to run where
 CUDA is present: on a GPU machine use the real extension.
 """
@@ -18,23 +18,14 @@ import importlib.util
 import os
 import sys
 
+from .installed import te_version
+
 __all__ = ["install", "is_installed", "te_version", "stats", "reset_stats", "TESTED_TE_VERSIONS"]
 
 # TE releases whose Python this shim has run (tests/unit/test_te_on_cpu*.py and the distributed suite).
 TESTED_TE_VERSIONS = ("2.8.0", "2.20.2")
 
 _installed = {"finder": None}
-
-
-def te_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("transformer-engine", "transformer_engine"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
 
 
 class _CommonLoaderHook(importlib.abc.MetaPathFinder):
@@ -124,8 +115,10 @@ def install() -> None:
     if "transformer_engine.pytorch" in sys.modules and "transformer_engine_torch" not in sys.modules:
         raise RuntimeError("accel_fp8_fix.rehearsal.te_on_cpu.install() must run before "
                            "transformer_engine is imported")
+    from ... import caches
     from . import cuda_as_cpu, tex
 
+    caches.register("rehearsal.te_on_cpu: kernel counters", tex.reset_stats)
     cuda_as_cpu.install()
     # TE warns (per TP module, per rank) unless this is set for its TP/SP comm overlap; a CPU has no
     # CUDA connections to limit, so the rehearsal answers it as a tuned GPU job would.

@@ -58,12 +58,15 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_SHIM = __name__.rsplit(".", 1)[0] + ".tex"  # the kernel shim, installed as sys.modules["transformer_engine_torch"]
+# the kernel shim: tex (installed as sys.modules["transformer_engine_torch"]) and the modules it is assembled from
+_SHIM = __name__.rsplit(".", 1)[0] + ".kernels"
+_SHIM_MODULES = frozenset(__name__.rsplit(".", 1)[0] + f".{part}" for part in ("tex", "kernels", "grouped"))
 
 
 def _is_te_module(name: str) -> bool:
     """Transformer Engine's Python or the kernel shim that stands in for its CUDA extension."""
-    return (name.startswith("transformer_engine") and not name.startswith("transformer_engine_torch")) or name == _SHIM
+    return (name.startswith("transformer_engine") and not name.startswith("transformer_engine_torch")) or (
+        name in _SHIM_MODULES)
 
 
 def _from_te(depth: int = 2) -> bool:

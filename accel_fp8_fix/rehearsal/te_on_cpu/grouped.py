@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from . import tex as _tex
+from . import kernels as _kernels
 
 
 def _dims(t) -> list:
@@ -31,8 +31,8 @@ def _dims(t) -> list:
 
 def _quantize_split(part: torch.Tensor, quantizer):
     if part.numel() == 0:  # Quantizer::quantize returns early: the output is only allocated
-        return _tex.create_empty_quantized_tensor(quantizer, list(part.shape), part.dtype, part.device, False)
-    return _tex.quantize(part, quantizer)
+        return _kernels.create_empty_quantized_tensor(quantizer, list(part.shape), part.dtype, part.device, False)
+    return _kernels.quantize(part, quantizer)
 
 
 def split_quantize(tensor, split_sections, quantizer_list, disable_bulk_allocation=False):
@@ -48,11 +48,11 @@ def split_quantize(tensor, split_sections, quantizer_list, disable_bulk_allocati
     if sum(split_sections) > x.shape[0]:
         raise RuntimeError(f"Attempted to split tensor with shape={list(x.shape)} along dim 0 with "
                            f"split_sections={split_sections}")
-    kinds = {_tex._quantizer_kind(q) for q in quantizer_list}
+    kinds = {_kernels._quantizer_kind(q) for q in quantizer_list}
     if "NVFP4Quantizer" in kinds and kinds == {"NVFP4Quantizer"} and not disable_bulk_allocation:
         raise NotImplementedError("transformer_engine_torch.split_quantize with NVFP4 quantizers (the fused "
                                   "split_quantize_nvfp4_impl kernel): not implemented by the CPU rehearsal")
-    _tex._STATS["split_quantize"] += 1
+    _kernels._STATS["split_quantize"] += 1
     parts = torch.split(x[:sum(split_sections)], split_sections)
     return [_quantize_split(part, q) for part, q in zip(parts, quantizer_list)]
 
@@ -84,7 +84,7 @@ def _output_views(A, transa, B, transb, D, D_type, single_output) -> list:
     if not single_output:
         if D is not None:
             return list(D)
-        return [torch.empty(shape, dtype=_tex._torch_dtype(D_type)) for shape in shapes]
+        return [torch.empty(shape, dtype=_kernels._torch_dtype(D_type)) for shape in shapes]
     flat = D[0].view(-1)  # the C++ walks a raw pointer through D[0]'s storage
     views, offset = [], 0
     for shape in shapes:
@@ -103,7 +103,7 @@ def te_general_grouped_gemm(A, transa, B, transb, D, D_type, m_splits, bias, bia
         raise RuntimeError("not implemented, D should be allocated for single output case.")
     outputs = _output_views(A, transa, B, transb, D, D_type, single_output)
     _check_block_scaling_emulation(A, B)
-    _tex._STATS["grouped_gemms"] += 1
+    _kernels._STATS["grouped_gemms"] += 1
     for i, (a, b, out) in enumerate(zip(A, B, outputs)):
         with_gelu = pre_gelu_out[i].numel() != 0
         if math.prod(_dims(a)) == 0 or math.prod(_dims(b)) == 0:
@@ -115,7 +115,7 @@ def te_general_grouped_gemm(A, transa, B, transb, D, D_type, m_splits, bias, bia
                 pre_gelu_out[i].zero_()
             continue
         bias_i = bias[i] if bias[i].numel() != 0 else None
-        _, bias_grad, gelu_input, _ = _tex.generic_gemm(
+        _, bias_grad, gelu_input, _ = _kernels.generic_gemm(
             a, transa, b, transb, out, None, D_type, bias_i, bias_type, with_gelu,
             pre_gelu_out[i] if grad and with_gelu else None, grad, workspace[0] if workspace else None,
             workspace_size, accumulate, use_split_accumulator)
@@ -135,7 +135,7 @@ def _check_block_scaling_emulation(A, B) -> None:
     if cuda_as_cpu.capability() < (10, 0):
         return
     live = [t for a, b in zip(A, B) if math.prod(_dims(a)) and math.prod(_dims(b)) for t in (a, b)]
-    blocks = [_tex._scaling_mode(t) in _tex._BLOCK_MODES for t in live]
+    blocks = [_kernels._scaling_mode(t) in _kernels._BLOCK_MODES for t in live]
     if any(blocks) and not all(blocks):
         raise RuntimeError("Either all tensors or no tensor must be FP8 block scaling tensors")
 
