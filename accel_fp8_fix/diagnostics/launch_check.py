@@ -326,11 +326,7 @@ def _installed(name: str) -> str | None:
 
 
 def _te_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("transformer-engine", "transformer_engine"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None if importlib.util.find_spec("transformer_engine") is None else "unknown"
+    found = _installed("transformer-engine") or _installed("transformer_engine")
+    if found is None and importlib.util.find_spec("transformer_engine") is not None:
+        return "unknown"
+    return found

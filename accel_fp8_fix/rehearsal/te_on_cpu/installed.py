@@ -1,14 +1,9 @@
-"""Which Transformer Engine release's Python is installed (read by the kernels and the package; imports nothing)."""
+"""Which Transformer Engine release's Python is installed (read by the kernels and the package)."""
 
 from __future__ import annotations
 
 
 def te_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+    from ...engine.versions import installed_version  # metadata only: never imports TE
 
-    for dist in ("transformer-engine", "transformer_engine"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
+    return installed_version("transformer-engine") or installed_version("transformer_engine")
