@@ -28,7 +28,8 @@ arguments) are listed by name in docs/rehearsal.md, "GPU-shaped answers". Enums 
 value for value.
 
 ``ACCEL_FP8_FIX_REHEARSAL_FAST_ACCUM=1`` models Hopper's FP8 fast accumulation in the GEMMs TE runs with
-``use_split_accumulator=False`` (``fast_accum_matmul``); by default every GEMM accumulates exactly in fp32.
+``use_split_accumulator=False`` (``fast_accum_matmul``); by default every GEMM accumulates exactly in fp32, an
+all-fp32 GEMM on TF32-rounded operands as TE's on the device (``ACCEL_FP8_FIX_REHEARSAL_TF32``, ``round_to_tf32``).
 
 Counters (``stats()``) count what ran: FP8 and high-precision GEMMs, casts, scale updates.
 """
