@@ -1,4 +1,5 @@
-"""python -m gpu_kit {build,plan,receive,probe,install,run} — see gpu_kit/__init__.py and docs/gpu.md."""
+"""python -m gpu_kit {build,plan,receive,probe,install,run,fixtures,derive-probe} — see gpu_kit/__init__.py and
+docs/gpu.md."""
 
 import sys
 
@@ -11,6 +12,8 @@ def main(argv: list[str]) -> int:
         "probe": ("gpu_kit.gpu_run", "GPU machine: versions, and which backend runs two ranks on one GPU"),
         "install": ("gpu_kit.gpu_run", "reassemble, verify, install, import (GPU machine, or the CPU dry run)"),
         "run": ("gpu_kit.gpu_run", "GPU machine: install, then every check, results under --out"),
+        "fixtures": ("gpu_kit.kernel_fixtures", "record TE's kernels on fixed inputs (GPU), or replay a file here"),
+        "derive-probe": ("gpu_kit.derive_probe", "the collectives each rank job issues, from its audit on CPU"),
     }
     if not argv or argv[0] not in verbs:
         print(__doc__)
