@@ -4,7 +4,7 @@
 # do not wrap it in another flock of the same file.
 #
 # With no arguments the suite runs as two pytest sessions side by side: the tests that start no multi-rank job
-# (tests/unit, whose TE-in-a-fresh-process checks use one-rank pools; the files of tests/network whose subprocesses
+# (tests/unit, tests/rehearsal and tests/testbed, whose TE-in-a-fresh-process checks use one-rank pools; the files of tests/network whose subprocesses
 # are single interpreters: the GPU kit's and the wheels' — the kit's rank probe, test_gpu_kit_probe.py, runs in the
 # other session; and the files whose launches are fresh interpreters by design: the ways in, the demo, the
 # accelerate releases; ~5 minutes) beside the pooled multi-process layers, whose ranks leave a core idle ~20 % of
@@ -25,7 +25,7 @@ fi
 if [ $# -gt 0 ] || [ "${ACCEL_FP8_FIX_TEST_SPLIT:-1}" = 0 ]; then
   exec python -m pytest -q "$@"
 fi
-side=(tests/unit tests/network/test_gpu_kit.py tests/network/test_packaging.py tests/distributed/test_activation.py
+side=(tests/unit tests/rehearsal tests/testbed tests/network/test_gpu_kit.py tests/network/test_packaging.py tests/distributed/test_activation.py
       tests/distributed/test_demo.py tests/network/test_accelerate_versions.py)
 unit_log=$(mktemp "${TMPDIR:-/tmp}/accel_fp8_fix-unit.XXXXXX")
 # the side session keeps fewer one-rank pools alive: the other session's ranks share the memory

@@ -1,4 +1,5 @@
-"""Test layers: ``tests/unit`` (one process, no network, seconds), ``tests/distributed`` (several gloo ranks,
+"""Test layers: ``tests/unit`` (one process, no network, seconds; the rehearsal's own in ``tests/rehearsal``, the test
+bed's in ``tests/testbed``), ``tests/distributed`` (several gloo ranks,
 the launcher, the demo), ``tests/network`` (installs other releases / builds wheels from the package
 registry: skipped without it, failed under ``CI=true``), ``tests/gpu`` (real TE, CUDA only).
 

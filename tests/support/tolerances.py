@@ -56,7 +56,7 @@ def step0_rel(exact: float, tp: int, row_parallel_ks) -> float:
 
 # -- TF32: TE's all-fp32 GEMMs on the device (tex.round_to_tf32, docs/rehearsal.md "TF32") ---------------------------
 # TF32 keeps 10 fraction bits: half an ulp to nearest, a whole one truncated. Written here, not read from the shim,
-# so that the GPU tests use it without importing the rehearsal (tests/unit/test_te_on_cpu_tf32.py: they agree).
+# so that the GPU tests use it without importing the rehearsal (tests/rehearsal/test_te_on_cpu_tf32.py: they agree).
 TF32_UNIT_ROUNDOFF = {"rna": 2.0 ** -11, "truncate": 2.0 ** -10}
 
 

@@ -22,7 +22,7 @@ from .installed import te_version
 
 __all__ = ["install", "is_installed", "te_version", "stats", "reset_stats", "TESTED_TE_VERSIONS"]
 
-# TE releases whose Python this shim has run (tests/unit/test_te_on_cpu*.py and the distributed suite).
+# TE releases whose Python this shim has run (tests/rehearsal/test_te_on_cpu*.py and the distributed suite).
 TESTED_TE_VERSIONS = ("2.8.0", "2.20.2")
 
 _installed = {"finder": None}
