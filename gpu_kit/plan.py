@@ -145,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         (parts_dir / "manifest.json").write_text(json.dumps(manifest))
         steps = commands(manifest, parts_dir)
         for step in steps:  # the paths the built kit will have
-            step["carry"] = [c.replace(str(parts_dir), _rel(PARTS_DIR)) for c in step["carry"]]
-            step["carry"] = [_rel(PARTS_DIR / Path(c).name) if c.startswith("/") else c for c in step["carry"]]
+            step["carry"] = [_rel(PARTS_DIR / Path(c).name) for c in step["carry"]]
     else:
         steps = commands()
     tree = tree_bytes()

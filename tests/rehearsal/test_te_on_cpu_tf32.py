@@ -126,5 +126,5 @@ def test_tes_fp32_linear_runs_its_three_gemms_in_tf32():
 
 
 def test_the_tolerances_module_and_the_shim_agree_on_tf32s_unit_roundoff():
-    assert tolerances.TF32_UNIT_ROUNDOFF == tex.TF32_UNIT_ROUNDOFF
+    assert tolerances.TF32_UNIT_ROUNDOFF == tex.TF32_UNIT_ROUNDOFF and tolerances.ENV_TF32 == tex.ENV_TF32
     assert tolerances.tf32_rel(2) == 4 * 2.0**-11 and tolerances.tf32_rel(1, "truncate") == 2 * 2.0**-10
