@@ -24,14 +24,14 @@ __all__ = ["activate", "deactivate", "report", "Report", "UnsupportedVersionErro
 
 
 def __getattr__(name):
-    """``audit`` (accel_fp8_fix.diagnostics.audit.audit) and ``te_recipe_kwargs`` (fixes/recipe_kwargs.py) load on
+    """``audit`` (accel_fp8_fix.diagnostics.audit.audit) and ``te_recipe_kwargs`` (fixes/start/recipe_kwargs.py) load on
     first use: this import stays free of torch."""
     if name == "audit":
         from .diagnostics.audit import audit
 
         return audit
     if name == "te_recipe_kwargs":
-        from .fixes.recipe_kwargs import te_recipe_kwargs
+        from .fixes.start.recipe_kwargs import te_recipe_kwargs
 
         return te_recipe_kwargs
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -114,7 +114,7 @@ class Setting:
                          f"It sets: {self.meaning}")
 
 
-# The Transformer Engine recipes by name, with their TE class (fixes/recipes.py builds and checks them), and the
+# The Transformer Engine recipes by name, with their TE class (fixes/start/recipes.py builds and checks them), and the
 # other spellings ACCELERATE_FP8_RECIPE / te_recipe_kwargs(recipe=) accept (TE's class names, snake-cased).
 RECIPE_CLASSES = {
     "delayed": "DelayedScaling",
@@ -196,9 +196,9 @@ REGISTRY: dict = {s.name: s for s in (
             "(docs/fixes.md, 'FP8 all-gather')", choices=lambda: dict(_all_gather_choices()), config_key="all_gather",
             default="high_precision"),
     Setting("ACCEL_FP8_FIX_EXIT_TIMEOUT", "seconds", "the bound on the exit handler: draining gloo's groups, "
-            "destroying them, waiting for their worker threads to park (fixes/clean_exit.py)", default="60"),
+            "destroying them, waiting for their worker threads to park (fixes/start/clean_exit.py)", default="60"),
     Setting("ACCEL_FP8_FIX_EXIT_GRACE", "seconds", "without /proc (not Linux): how long the exit handler holds the "
-            "interpreter for gloo's worker threads; with /proc it waits until they are parked (fixes/clean_exit.py)",
+            "interpreter for gloo's worker threads; with /proc it waits until they are parked (fixes/start/clean_exit.py)",
             default="0.2"),
     Setting("ACCEL_FP8_FIX_TEST_PROFILE", "path", "append one JSON line per multi-process launch (its ranks' start-up, "
             "scenario and exit times) to this file: scripts/suite_profile.py reads them (docs/testing.md)",

@@ -70,7 +70,7 @@ def _substitute_recipe(config: str):
     """Make the package's prepare build TE's ``config`` recipe instead of what accelerate's kwargs express."""
     import transformer_engine.common.recipe as te_recipe
 
-    import accel_fp8_fix.fixes.recipes as recipes
+    import accel_fp8_fix.fixes.start.recipes as recipes
 
     make = {"fp8-current": lambda: te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID),
             "fp8-block": lambda: te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3),

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..fixes.layout import SIZE_KEYS, refused_layout, unknown_sizes, unknown_sizes_message
+from ..fixes.start.layout import SIZE_KEYS, refused_layout, unknown_sizes, unknown_sizes_message
 
 __all__ = ["Check", "LaunchVerdict", "check_launch_config"]
 
@@ -104,7 +104,7 @@ def check_launch_config(path: str, versions: dict | None = None, environ: dict |
     verdict.checks += _precision_checks(cfg, fp8)
     verdict.checks += _settings_checks(environ)
     verdict.checks.append(_activation_check(exported, environ))
-    # the recipe and its settings: the check Accelerator() and prepare run (fixes/recipes.py)
+    # the recipe and its settings: the check Accelerator() and prepare run (fixes/start/recipes.py)
     verdict.checks.append(_recipe_check(exported))
     all_gather = _all_gather_check(cfg, exported)
     if all_gather is not None:
@@ -227,7 +227,7 @@ def _cp_check(cfg: dict, environ: dict):
     """With ``parallelism_config_cp_size > 1``: the sequence multiple every CP step needs (A23, fixes/context_parallel.py)
     for the configured recipe — what the config says; the lengths themselves are checked at each step. None without
     CP."""
-    from ..fixes import recipes
+    from ..fixes.start import recipes
     from ..fixes.context_parallel import pad_multiple, token_multiple_of
 
     cp = _int((cfg.get("parallelism_config") or {}).get("parallelism_config_cp_size"))
@@ -266,7 +266,7 @@ def _process_count_check(processes: int, sizes: dict) -> Check:
 
 
 def _recipe_check(environ: dict) -> Check:
-    from ..fixes import recipes
+    from ..fixes.start import recipes
 
     try:
         choice, setting, fields = recipes.settings_from_env(environ)
@@ -289,8 +289,8 @@ def _all_gather_check(cfg: dict, environ: dict):
     """``fp8_config.all_gather``: a value it does not accept, or ``fp8`` where prepare would refuse it (no FSDP2,
     CPU offload, a recipe it cannot serve) — the refusal prepare raises, in the same words. None when unset."""
     from .. import settings
-    from ..fixes import fp8_all_gather_policy as policy
-    from ..fixes import recipes
+    from ..fixes.start import fp8_all_gather_policy as policy
+    from ..fixes.start import recipes
 
     setting = settings.REGISTRY[policy.ENV]
     try:

@@ -39,7 +39,7 @@ from .._log import say
 from ..internals import torch_fsdp2
 from ..internals import transformer_engine as te_internals
 from . import fp8_experts_gather
-from .fp8_all_gather_policy import Fp8AllGatherError, refusal, requested  # noqa: F401 (re-exported)
+from .start.fp8_all_gather_policy import Fp8AllGatherError, refusal, requested  # noqa: F401 (re-exported)
 from .fp8_weight_record import FLT_MAX, WeightRecord, WeightScales, scale_params, scales_from_amaxes  # noqa: F401
 from .fp8_weight_record import ScaleParams as _ScaleParams  # noqa: F401 (the name the unit tests use)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from . import recipes
-from .fp8_all_gather_policy import Fp8AllGatherError, block_recipe_refusal, offloaded, refusal, requested
+from .start import recipes
+from .start.fp8_all_gather_policy import Fp8AllGatherError, block_recipe_refusal, offloaded, refusal, requested
 
 
 @dataclass(frozen=True)

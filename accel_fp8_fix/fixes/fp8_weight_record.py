@@ -21,7 +21,7 @@ moved, ONE packed MAX all-reduce of every per-tensor weight's shard amax on the 
 package's collectives, and the scales written in place into buffers allocated once; gradient accumulation, the
 backward re-gathers and recomputes reuse them. The hooks check their own weight's stamp (no collective): a gather
 whose shard changed since the refresh — a forward that did not go through the prepared model after a change —
-raises :class:`~accel_fp8_fix.fixes.fp8_all_gather_policy.Fp8AllGatherError` naming the weight, never a stale or
+raises :class:`~accel_fp8_fix.fixes.start.fp8_all_gather_policy.Fp8AllGatherError` naming the weight, never a stale or
 rank-local scale. The record is not specific to per-tensor scaling: every weight gathered in FP8 is in it (kind
 ``per_tensor``, ``per_expert`` or ``block``), for whatever else needs "which converted weights changed this step".
 """
@@ -35,7 +35,7 @@ import torch
 from ..distributed import collectives
 from ..internals import torch_fsdp2, torch_internals
 from ..internals import transformer_engine as te_internals
-from .fp8_all_gather_policy import Fp8AllGatherError
+from .start.fp8_all_gather_policy import Fp8AllGatherError
 
 AMAX_NAME = "FP8 all-gather: packed weight amaxes"
 FLT_MAX = 3.4028234663852886e38

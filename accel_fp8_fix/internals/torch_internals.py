@@ -13,7 +13,7 @@ globals a torch pickle names.
   ``activation_checkpointing``; its ``checkpoint_fn``);
 - ``torch.distributed.distributed_c10d._get_default_store()`` (the default group's key-value store);
 - ``torch.distributed.distributed_c10d._world.pg_map``: every process group this rank belongs to (the exit
-  handler drains each gloo group before destroying them, ``fixes/clean_exit.py``);
+  handler drains each gloo group before destroying them, ``fixes/start/clean_exit.py``);
 - ``torch._utils._rebuild_tensor_v2`` / ``torch.storage._load_from_bytes``: the globals a pickled tensor names
   (TE's extra state), for a restricted unpickler;
 - ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: where a DTensor's local shard starts in

@@ -77,7 +77,7 @@ def main(tmp: str, rank: str) -> None:
         dist.barrier()  # no rank leaves while a peer may still be inside a collective with it
         # Destroy the group before interpreter teardown, as a plain torch script does: a gloo group left alive
         # races Py_FinalizeEx (its worker threads take the GIL while the interpreter finalizes: "terminate
-        # called without an active exception", SIGABRT, a finished rank fails; A20, fixes/clean_exit.py).
+        # called without an active exception", SIGABRT, a finished rank fails; A20, fixes/start/clean_exit.py).
         dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""A finished run exits 0 (A20, `accel_fp8_fix/fixes/clean_exit.py`).
+"""A finished run exits 0 (A20, `accel_fp8_fix/fixes/start/clean_exit.py`).
 
 A user's script (`tests/support/clean_exit_script.py`: FSDP2 + Transformer Engine FP8 through `accelerate launch`
 with the `fp8_config: {accel_fp8_fix: true}` flag on 2 CPU processes, a tiny transformers Qwen2, a few steps, no
@@ -106,7 +106,7 @@ def test_clean_exit_handler_is_a_no_op_once_undone():
     group alone (stock behaviour), and it never runs a destroy when no group exists."""
     code = (
         "import torch.distributed as dist, accel_fp8_fix\n"
-        "from accel_fp8_fix.fixes import clean_exit\n"
+        "from accel_fp8_fix.fixes.start import clean_exit\n"
         "from accelerate.state import PartialState\n"
         "import os\n"
         "os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT='0')\n"
@@ -148,7 +148,7 @@ def test_exit_handler_drains_every_gloo_group_then_sees_its_workers_parked(endin
     a real gloo subgroup."""
     code = (
         "import os, time, torch, torch.distributed as dist, accel_fp8_fix\n"
-        "from accel_fp8_fix.fixes import clean_exit\n"
+        "from accel_fp8_fix.fixes.start import clean_exit\n"
         "from accelerate.state import PartialState\n"
         "os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT='0')\n"
         "PartialState(cpu=True)\n"

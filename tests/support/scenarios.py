@@ -299,7 +299,7 @@ def make_accelerator(
     if mixed_precision == "fp8":
         fp8_recipe = fp8_recipe or {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
         if "recipe" in fp8_recipe:  # another TE recipe by name (accel_fp8_fix.te_recipe_kwargs)
-            from accel_fp8_fix.fixes.recipe_kwargs import te_recipe_kwargs
+            from accel_fp8_fix.fixes.start.recipe_kwargs import te_recipe_kwargs
 
             handlers.append(te_recipe_kwargs(**fp8_recipe))
         else:

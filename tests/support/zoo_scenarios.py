@@ -105,8 +105,8 @@ def _recipe(name=None):
     import transformer_engine.common.recipe as te_recipe
 
     if name is not None:
-        from accel_fp8_fix.fixes.recipe_kwargs import te_recipe_kwargs
-        from accel_fp8_fix.fixes.recipes import build
+        from accel_fp8_fix.fixes.start.recipe_kwargs import te_recipe_kwargs
+        from accel_fp8_fix.fixes.start.recipes import build
 
         return build(te_recipe_kwargs(name))[0]
     return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",

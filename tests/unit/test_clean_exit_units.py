@@ -1,9 +1,9 @@
-"""The exit handler's wait for gloo's worker threads (A20, `accel_fp8_fix/fixes/clean_exit.py`): what counts as
+"""The exit handler's wait for gloo's worker threads (A20, `accel_fp8_fix/fixes/start/clean_exit.py`): what counts as
 parked, the deadline, the fallback without /proc. The real threads: tests/distributed/test_clean_exit.py."""
 
 import time
 
-from accel_fp8_fix.fixes import clean_exit
+from accel_fp8_fix.fixes.start import clean_exit
 
 
 def _feed(monkeypatch, looks):

@@ -14,7 +14,7 @@ import torch
 
 from accel_fp8_fix import settings
 from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
-from accel_fp8_fix.fixes import fp8_all_gather_policy as policy
+from accel_fp8_fix.fixes.start import fp8_all_gather_policy as policy
 from accel_fp8_fix.rehearsal.te_on_cpu import tex
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,8 +116,8 @@ def test_block_scaling_is_served_with_128x128_weight_tiles_only():
 
 
 def test_te_recipe_kwargs_refuses_an_unserved_recipe_and_records_the_switch():
-    from accel_fp8_fix.fixes.recipe_kwargs import te_recipe_kwargs
-    from accel_fp8_fix.fixes.handler_choices import all_gather_choice
+    from accel_fp8_fix.fixes.start.recipe_kwargs import te_recipe_kwargs
+    from accel_fp8_fix.fixes.start.handler_choices import all_gather_choice
 
     with pytest.raises(policy.Fp8AllGatherError, match="MXFP8BlockScaling"):
         te_recipe_kwargs(recipe="mxfp8", all_gather="fp8")

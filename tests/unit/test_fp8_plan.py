@@ -15,10 +15,12 @@ from accel_fp8_fix.rehearsal import te_on_cpu
 
 te_on_cpu.install()  # TE's real Python (its recipe classes) over the CPU kernel shim
 
-from accel_fp8_fix.fixes import fp8_all_gather, fp8_all_gather_policy, fp8_plan, handler_choices  # noqa: E402
+from accel_fp8_fix.fixes import fp8_all_gather, fp8_plan  # noqa: E402
+from accel_fp8_fix.fixes.start import fp8_all_gather_policy, handler_choices  # noqa: E402
 from accel_fp8_fix.fixes import prepare as prepare_fix  # noqa: E402
-from accel_fp8_fix.fixes import recipes, run_state  # noqa: E402
-from accel_fp8_fix.fixes.recipe_kwargs import te_recipe_kwargs  # noqa: E402
+from accel_fp8_fix.fixes.start import recipes  # noqa: E402
+from accel_fp8_fix.fixes import run_state  # noqa: E402
+from accel_fp8_fix.fixes.start.recipe_kwargs import te_recipe_kwargs  # noqa: E402
 from accel_fp8_fix.fixes.te_convert import ConversionReport  # noqa: E402
 
 

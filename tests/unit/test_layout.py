@@ -404,10 +404,10 @@ def test_every_module_level_cache_is_emptied_by_the_one_reset():
     import accel_fp8_fix.distributed.collectives as collectives
     from accel_fp8_fix import _log, caches, settings
     from accel_fp8_fix.distributed import agreement
-    from accel_fp8_fix.fixes import clean_exit
+    from accel_fp8_fix.fixes.start import clean_exit
 
     names = caches.registered()
-    for module in ("_log", "settings", "distributed.collectives", "distributed.agreement", "fixes.clean_exit"):
+    for module in ("_log", "settings", "distributed.collectives", "distributed.agreement", "fixes.start.clean_exit"):
         assert any(n.startswith(module + ":") for n in names), (module, names)
     _log._said.add("x")
     settings._warned.add("y")

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from accel_fp8_fix.diagnostics.launch_check import check_launch_config
-from accel_fp8_fix.fixes.layout import refused_layout
+from accel_fp8_fix.fixes.start.layout import refused_layout
 from accel_fp8_fix.internals.accelerate_internals import replicate_with_tp_accepted
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Choosing a Transformer Engine recipe from accelerate's configuration (fixes/recipes.py): by name from
+"""Choosing a Transformer Engine recipe from accelerate's configuration (fixes/start/recipes.py): by name from
 ``fp8_config: {recipe: ...}`` / ``ACCELERATE_FP8_RECIPE`` or ``te_recipe_kwargs``, validated against the
 installed TE and the GPU generation (here TE's real Python on CPU; the rehearsal answers sm90 or sm100)."""
 
@@ -18,7 +18,7 @@ te_on_cpu.install()
 import transformer_engine.common.recipe as te_recipe  # noqa: E402
 from accelerate.utils import TERecipeKwargs  # noqa: E402
 
-from accel_fp8_fix.fixes import recipe_kwargs, recipes  # noqa: E402
+from accel_fp8_fix.fixes.start import recipe_kwargs, recipes  # noqa: E402
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_a_recipe_the_gpu_cannot_run_names_recipe_te_version_and_device(monkeypa
     assert cls in message and "Transformer Engine 2." in message and "sm90" in message
     assert "compute capability 10.0 or higher" in message  # TE's own reason
     out = _on_arch(needs, f"""
-        from accel_fp8_fix.fixes import recipe_kwargs, recipes
+        from accel_fp8_fix.fixes.start import recipe_kwargs, recipes
         print(type(recipes.build(recipe_kwargs.te_recipe_kwargs({name!r}))[0]).__name__)
         """)
     assert out.split() == [cls]
@@ -88,7 +88,7 @@ def test_a_recipe_the_gpu_cannot_run_names_recipe_te_version_and_device(monkeypa
 def test_stock_mxfp8_flag_still_selects_mxfp8_on_blackwell():
     out = _on_arch("sm100", """
         from accelerate.utils import TERecipeKwargs
-        from accel_fp8_fix.fixes import recipe_kwargs, recipes
+        from accel_fp8_fix.fixes.start import recipe_kwargs, recipes
         print(type(recipes.build(TERecipeKwargs(use_mxfp8_block_scaling=True))[0]).__name__)
         """)
     assert out.split() == ["MXFP8BlockScaling"]

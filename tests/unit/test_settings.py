@@ -17,7 +17,7 @@ import yaml
 
 from accel_fp8_fix import cli, settings
 from accel_fp8_fix.diagnostics.launch_check import check_launch_config
-from accel_fp8_fix.fixes import handler_choices, recipe_kwargs, recipes
+from accel_fp8_fix.fixes.start import handler_choices, recipe_kwargs, recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "accel_fp8_fix"

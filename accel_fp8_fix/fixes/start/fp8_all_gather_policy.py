@@ -31,7 +31,7 @@ class Fp8AllGatherError(ValueError):
 
 def requested(handler=None) -> tuple[bool, str]:
     """(on?, the setting that said so): ``te_recipe_kwargs(all_gather=...)`` first, then the environment."""
-    from .. import settings
+    from ... import settings
     from .handler_choices import all_gather_choice
 
     value = all_gather_choice(handler)
@@ -54,7 +54,7 @@ def refusal(recipe=None, *, is_fsdp2: bool, cpu_offload: bool = False, versions=
     if name is not None and name not in SERVED_RECIPES:
         return f"the {name} recipe is not one it serves ({', '.join(SERVED_RECIPES)})"
     if versions is not None:
-        from ..internals import torch_fsdp2, transformer_engine
+        from ...internals import torch_fsdp2, transformer_engine
 
         missing = transformer_engine.fp8_all_gather_missing(versions, name)
         if missing:

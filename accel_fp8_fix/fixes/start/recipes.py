@@ -16,14 +16,14 @@ run raises a ``ValueError`` naming the recipe, the TE version, the device and TE
 
 The recipe name and the settings it takes are checked earlier, by one function (``check_settings``, no torch or
 TE import) wherever they are first seen: ``accel-fp8-fix doctor --launch`` (on the variables ``accelerate
-launch`` would export, ``settings_from_env``), ``Accelerator()`` (fixes/accelerator_init.py, patch ``settings``) and
-``te_recipe_kwargs`` (fixes/recipe_kwargs.py, which also refuses, with ``TypeError``, a field neither
+launch`` would export, ``settings_from_env``), ``Accelerator()`` (fixes/start/accelerator_init.py, patch ``settings``) and
+``te_recipe_kwargs`` (fixes/start/recipe_kwargs.py, which also refuses, with ``TypeError``, a field neither
 ``TERecipeKwargs`` nor the TE recipe class has).
 """
 
 from __future__ import annotations
 
-from .. import settings
+from ... import settings
 from .handler_choices import choice_of
 
 ENV = settings.RECIPE
@@ -184,7 +184,7 @@ def check_handler(handler) -> tuple[object, str]:
 
 
 def _te_version() -> str:
-    from ..engine.versions import installed_version
+    from ...engine.versions import installed_version
 
     return installed_version("transformer-engine") or installed_version("transformer_engine") or "?"
 
@@ -192,7 +192,7 @@ def _te_version() -> str:
 def _device() -> str:
     """The GPU as TE sees it (TE's own capability query; the CPU rehearsal answers for TE's frames only)."""
     try:
-        from ..internals.transformer_engine import device_compute_capability, extension_is_cpu_rehearsal
+        from ...internals.transformer_engine import device_compute_capability, extension_is_cpu_rehearsal
 
         major, minor = device_compute_capability()
         where = " (the CPU rehearsal's answer)" if extension_is_cpu_rehearsal() else ""
@@ -202,7 +202,7 @@ def _device() -> str:
 
 
 def _support_check(check_name: str):
-    from ..internals.transformer_engine import support_check
+    from ...internals.transformer_engine import support_check
 
     return support_check(check_name)
 

@@ -66,8 +66,8 @@ import threading
 import time
 from datetime import timedelta
 
-from .. import caches
-from ..engine.engine import calling_patch_set, is_applied
+from ... import caches
+from ...engine.engine import calling_patch_set, is_applied
 
 logger = logging.getLogger("accel_fp8_fix")
 
@@ -123,7 +123,7 @@ def _forget_registration() -> None:
         _registered, _patch_set = False, None
 
 
-caches.register("fixes.clean_exit: the exit handler's registration", _forget_registration)
+caches.register("fixes.start.clean_exit: the exit handler's registration", _forget_registration)
 
 
 def _fix_applied() -> bool:
@@ -133,7 +133,7 @@ def _fix_applied() -> bool:
 
 def _seconds(name: str, default: float) -> float:
     """A registered seconds setting (checked at ``Accelerator()``; see accel_fp8_fix/settings.py)."""
-    from .. import settings
+    from ... import settings
 
     value = settings.get(name)
     return default if value is None else max(float(value), 0.0)
@@ -234,8 +234,8 @@ def _left(deadline: float) -> float:
 def _drain_gloo_groups(dist, deadline: float) -> None:
     """A barrier on every gloo group this rank belongs to, all issued before any is waited for; each waited up to
     the deadline. A group whose barrier fails or times out (a peer gone) is logged and left to the destroy."""
-    from ..distributed.collectives import barrier_async
-    from ..internals import torch_internals
+    from ...distributed.collectives import barrier_async
+    from ...internals import torch_internals
 
     works = []
     for group in torch_internals.process_groups():

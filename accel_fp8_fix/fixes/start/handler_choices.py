@@ -1,6 +1,6 @@
-"""What ``te_recipe_kwargs`` (fixes/recipe_kwargs.py) asked for on a handler it returned: the recipe (a name or a TE
-recipe object), the extra recipe options and the FP8 all-gather choice — read back by fixes/recipes.py (``build``,
-``check_handler``) and fixes/fp8_all_gather_policy.py (``requested``).
+"""What ``te_recipe_kwargs`` (fixes/start/recipe_kwargs.py) asked for on a handler it returned: the recipe (a name or a TE
+recipe object), the extra recipe options and the FP8 all-gather choice — read back by fixes/start/recipes.py (``build``,
+``check_handler``) and fixes/start/fp8_all_gather_policy.py (``requested``).
 
 The choice cannot live on the handler: accelerate's ``to_kwargs()`` reads every instance attribute (an extra one
 is a KeyError there). Nor in a ``WeakKeyDictionary``: ``TERecipeKwargs`` is a dataclass with ``eq``, so it has no

@@ -3,7 +3,7 @@ recipe accelerate resolved are checked at ``Accelerator()`` — before any model
 
 from __future__ import annotations
 
-from .. import settings
+from ... import settings
 from .layout import check_accelerator_kwargs
 from .recipes import check_handler
 
@@ -22,7 +22,7 @@ def accelerator_init(wrapped, instance, args, kwargs):
     if auto_backend:
         _say_torchao_chosen(instance)
     if getattr(instance, "fp8_enabled", False):
-        from ..internals.accelerate_internals import recipe_handler
+        from ...internals.accelerate_internals import recipe_handler
 
         handler = recipe_handler(instance)
         if handler is not None and str(getattr(handler, "backend", "TE")).upper() == "TE":
@@ -51,7 +51,7 @@ def _say_torchao_chosen(accelerator) -> None:
         return
     if importlib.util.find_spec("transformer_engine") is None:
         return
-    from .._log import warn_user
+    from ..._log import warn_user
 
     warn_user("accel_fp8_fix: FP8 with no backend chosen and both torchao and Transformer Engine installed: accelerate "
               "picked torchao, so this package (Transformer Engine FP8 on FSDP2 / TP) stands down and accelerate's "

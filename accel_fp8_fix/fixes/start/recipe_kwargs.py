@@ -1,12 +1,12 @@
 """``accel_fp8_fix.te_recipe_kwargs``: accelerate's ``TERecipeKwargs`` carrying a TE recipe choice (and the FP8
-all-gather switch), every field checked here — not at ``prepare``. Above fixes/recipes.py (the recipe table and its
-checks), fixes/fp8_all_gather_policy.py (when the FP8 all-gather can run), which it asks, and
-fixes/handler_choices.py (the handler's recorded choice), where it writes.
+all-gather switch), every field checked here — not at ``prepare``. Above fixes/start/recipes.py (the recipe table and its
+checks), fixes/start/fp8_all_gather_policy.py (when the FP8 all-gather can run), which it asks, and
+fixes/start/handler_choices.py (the handler's recorded choice), where it writes.
 """
 
 from __future__ import annotations
 
-from .. import settings
+from ... import settings
 from .fp8_all_gather_policy import Fp8AllGatherError, refusal
 from .handler_choices import forget_choice, remember_choice
 from .recipes import RECIPES, check_handler, recipe_name

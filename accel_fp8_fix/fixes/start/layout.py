@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 
-from ..internals.accelerate_internals import replicate_with_tp_accepted
+from ...internals.accelerate_internals import replicate_with_tp_accepted
 
 SIZE_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 
