@@ -29,7 +29,7 @@ table there too. ``--tiny`` runs a small model on CPU over TE's real Python with
 
 ``--model qwen3_moe``: the same configurations on a Qwen3-MoE-shaped model (transformers' ``Qwen3MoeForCausalLM``:
 8 layers, hidden 2048, 16 heads / 4 KV heads, 64 experts of MLP 768 with top-8 routing: 2.6 B parameters, 0.45 B
-active a token), the experts' GEMMs through TE's grouped GEMM (fixes/moe_experts.py); TFLOP/s counts the active
+active a token), the experts' GEMMs through TE's grouped GEMM (fixes/convert/moe_experts.py); TFLOP/s counts the active
 parameters, and the GEMM column counts grouped GEMM calls as one each; its ``-ag8`` rows gather the experts in FP8
 too (a scale per expert, fixes/fp8_experts_gather.py; not under block scaling).
 
@@ -75,7 +75,7 @@ def _substitute_recipe(config: str):
     make = {"fp8-current": lambda: te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID),
             "fp8-block": lambda: te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3),
             "fp8-mxfp8": lambda: te_recipe.MXFP8BlockScaling(fp8_format=te_recipe.Format.E4M3)}[config]
-    recipes.build = lambda handler, checked=None: (make(), False)  # what the prepare's plan (fixes/fp8_plan.py) builds
+    recipes.build = lambda handler, checked=None: (make(), False)  # what the prepare's plan (fixes/convert/fp8_plan.py) builds
 
 
 def _quantized(operand) -> bool:

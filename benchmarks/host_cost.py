@@ -73,7 +73,7 @@ def _hand_model(mesh, group):
     import transformer_engine.pytorch as te
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     scenarios, _F = _support()
     model = scenarios.block_stack(dim=DIM, hidden=2 * DIM, depth=DEPTH, seed=0)

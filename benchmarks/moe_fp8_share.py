@@ -1,5 +1,5 @@
 """FP8 share of an MoE training step's GEMM FLOPs, before and after the experts ran on TE grouped GEMMs
-(fixes/moe_experts.py), in one run.
+(fixes/convert/moe_experts.py), in one run.
 
 A real ``Accelerator(mixed_precision="fp8", FSDP2 plugin, TERecipeKwargs(HYBRID delayed))`` on 2 gloo ranks,
 Transformer Engine 2.20.2's Python over the CPU kernel shim; the model is transformers' ``Qwen3MoeForCausalLM`` with

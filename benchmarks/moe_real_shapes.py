@@ -2,7 +2,7 @@
 
 Each model is built by transformers' own class on the meta device (every module and parameter shape real, no memory)
 and converted by the package's conversion as ``accelerator.prepare`` runs it on one rank
-(``fixes/te_convert.convert_after_sharding``, the output layer excluded; its Linears become TE Linears on meta, its
+(``fixes/convert/te_convert.convert_after_sharding``, the output layer excluded; its Linears become TE Linears on meta, its
 packed experts get the grouped-GEMM forward or are kept with a named reason). A GEMM weight counts as FP8 when its
 module is then a TE module or converted experts; routers and the output layer stay in high precision by design.
 Under transformers' expert parallelism each rank converts its local experts the same way (its all-to-all or
@@ -74,7 +74,7 @@ def gemm_weights(model, top_k: int):
     from torch import nn
 
     from accel_fp8_fix.diagnostics.audit import _is_router
-    from accel_fp8_fix.fixes.moe_experts import is_packed_experts
+    from accel_fp8_fix.fixes.convert.moe_experts import is_packed_experts
     from accel_fp8_fix.internals.transformer_engine import has_fp8_state
 
     for name, module in model.named_modules():
@@ -95,8 +95,8 @@ def shares(model_cls, config) -> dict:
     """Build ``model_cls(config)`` on meta, convert it as the package does; the FP8 shares and the kept modules."""
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.moe_experts import is_converted
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.moe_experts import is_converted
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
     from accel_fp8_fix.internals.transformer_engine import has_fp8_state
 
     model = build(model_cls, config)

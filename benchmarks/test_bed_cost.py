@@ -61,9 +61,9 @@ def main() -> None:
     scenarios.ensure_te_on_cpu()
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
     from accel_fp8_fix.testing.collective_order import CollectiveRecorder, FlightRecorderTrail
 
     store = tempfile.NamedTemporaryFile(delete=False)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..distributed.dtensor import is_dtensor
-from ..fixes import moe_experts
+from ..fixes.convert import moe_experts
 from ..internals.transformer_engine import GEMMS_PER_MODULE
 
 __all__ = ["audit", "AuditReport", "ModuleAudit", "ParamAudit", "Coverage", "remember_setup", "warn_partial_coverage"]
@@ -269,7 +269,7 @@ def _tp_check(module, mode) -> str:
 
 
 def _stray(module) -> list:
-    from ..fixes.fp8_state import find_unregistered_tensors
+    from ..fixes.convert.fp8_state import find_unregistered_tensors
 
     own = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
     storages = set()

@@ -38,7 +38,7 @@ import math
 
 from .._log import warn_user
 
-from .fp8_shapes import WGRAD_TOKENS_MULTIPLE
+from .convert.fp8_shapes import WGRAD_TOKENS_MULTIPLE
 
 
 def pad_multiple(cp_size: int, token_multiple: int) -> int:
@@ -54,7 +54,7 @@ def training_token_multiple(recipe_tokens: int) -> int:
 
 def token_multiple_of(recipe_class: str) -> int:
     """The training token multiple for the TE recipe class named ``recipe_class``."""
-    from . import fp8_shapes
+    from .convert import fp8_shapes
 
     recipe_tokens = {"MXFP8BlockScaling": fp8_shapes.MXFP8_MULTIPLE, "NVFP4BlockScaling": fp8_shapes.NVFP4_MULTIPLE,
                      "Float8BlockScaling": fp8_shapes.BLOCK_TOKENS_MULTIPLE}.get(recipe_class,
@@ -64,7 +64,7 @@ def token_multiple_of(recipe_class: str) -> int:
 
 def _token_multiple(accelerator) -> int | None:
     """The training token multiple of this accelerator's recipe, or None when this package did not turn FP8 on."""
-    from .fp8_shapes import recipe_multiples
+    from .convert.fp8_shapes import recipe_multiples
 
     setup = getattr(accelerator, "accel_fp8_fix", None)
     if setup is None or not getattr(setup, "fp8_enabled", False):

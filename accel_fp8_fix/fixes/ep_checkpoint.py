@@ -1,7 +1,7 @@
 """MoE experts' FP8 state through sharded checkpoints, expert parallelism or not (issue 30 item 1).
 
 Under transformers' expert parallelism the TE runners of an experts module (``te_gate_up`` / ``te_down``,
-fixes/moe_experts.py) hold the FP8 state of *this EP rank's* experts: GEMM *i* is global expert
+fixes/convert/moe_experts.py) hold the FP8 state of *this EP rank's* experts: GEMM *i* is global expert
 ``ep_rank × local + i``. Their ``_extra_state`` is a plain tensor, which DCP takes for a replicated value and
 writes from one rank only — every EP rank would load that rank's experts' scales (measured: after ``load_state``
 half the runners held another expert's state). Inside ``save_state`` / ``load_state`` the runners'
@@ -22,8 +22,8 @@ import contextlib
 from ..distributed.dtensor import is_dtensor
 from ..internals.accelerate_internals import prepared_models
 from ..internals.transformer_engine import delayed_scaling_tensors
-from .fp8_state import AMAX_GROUP_ATTR
-from .moe_experts import EP_DIM, RUNNERS, is_converted
+from .convert.fp8_state import AMAX_GROUP_ATTR
+from .convert.moe_experts import EP_DIM, RUNNERS, is_converted
 
 # {prefix}_accel_fp8_fix_ep_fp8_{runner}_{fwd|bwd}_{amax_history|scale}: an attribute of the experts module while
 # the context is open (torch's distributed state_dict resolves every key to an attribute)

@@ -231,7 +231,7 @@ def _problems(chosen, kind: str) -> list:
 def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
     """Install the FP8 all-gather on the weight of every converted TE Linear of ``model`` (FSDP2-sharded); every
     weight is checked first, so a refusal leaves no weight half-switched. The recipe itself (its kind, its weight
-    tiles) was checked once, before sharding, by the prepare's plan (fixes/fp8_plan.py)."""
+    tiles) was checked once, before sharding, by the prepare's plan (fixes/convert/fp8_plan.py)."""
     kind = "block" if type(recipe).__name__ == "Float8BlockScaling" else "per_tensor"
     chosen = _chosen_weights(model, te_modules)
     problems = _problems(chosen, kind)

@@ -1,6 +1,6 @@
 """Packed MoE experts all-gathered in FP8 under FSDP2 (``all_gather: fp8``; the switch of fixes/fp8_all_gather.py).
 
-An experts module converted by fixes/moe_experts.py keeps transformers' 3-D parameters (``gate_up_proj``,
+An experts module converted by fixes/convert/moe_experts.py keeps transformers' 3-D parameters (``gate_up_proj``,
 ``down_proj``: ``[E, out, in]``, GPT-OSS ``[E, in, out]``), which FSDP2 shards on dim 0 — each shard holds whole
 experts. With the switch on, each expert is quantized on its shard with its OWN per-tensor scale (the scale TE's
 ``GroupedLinear`` gives each of its ``num_gemms`` weights: per-expert, never one scale for all experts), FSDP2
@@ -37,7 +37,7 @@ import torch
 
 from ..internals import torch_fsdp2
 from ..internals import transformer_engine as te_internals
-from . import moe_experts
+from .convert import moe_experts
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 

@@ -24,16 +24,16 @@ from ..internals.transformer_engine import FP8_STATE_ATTRS, gemms_per_forward, i
 from .activation_checkpointing import route_checkpointing_through_te
 from .checkpoint import keep_fp8_state_in_checkpoints
 from . import fp8_all_gather
-from .fp8_autocast import te_autocast, wrap_forward
-from .fp8_plan import Fp8Plan, plan_fp8
-from .fp8_state import amax_group_of, broadcast_fp8_state, register_tensor_state
-from .fp8_shapes import weight_multiple
+from .convert.fp8_autocast import te_autocast, wrap_forward
+from .convert.fp8_plan import Fp8Plan, plan_fp8
+from .convert.fp8_state import amax_group_of, broadcast_fp8_state, register_tensor_state
+from .convert.fp8_shapes import weight_multiple
 from .fp8_state_loading import install_safe_loading
-from . import run_state
-from .presharded import check_mesh_matches
-from .te_convert import ConversionReport, convert_after_sharding
-from .tp_layout import record_tp_layout
-from .transformers_check import check_model as check_transformers_internals
+from .convert import run_state
+from .convert.presharded import check_mesh_matches
+from .convert.te_convert import ConversionReport, convert_after_sharding
+from .convert.tp_layout import record_tp_layout
+from .convert.transformers_check import check_model as check_transformers_internals
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def prepare(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     args, pending = with_pending_model(instance, args)  # a model Trainer prepared alone (A22)
     model = _the_model(args)
-    # the recipe and the FP8 all-gather decided once (fixes/fp8_plan.py); an FP8 all-gather asked for where it
+    # the recipe and the FP8 all-gather decided once (fixes/convert/fp8_plan.py); an FP8 all-gather asked for where it
     # cannot run is refused there, by name, before anything is sharded or converted
     plan = plan_fp8(instance)
     if model is not None:

@@ -25,7 +25,7 @@ import torch
 from .._log import say
 from ..distributed.dtensor import is_dtensor
 from ..internals import transformers_features
-from . import run_state
+from .convert import run_state
 from .prepare import handles_fp8_prepare
 
 logger = logging.getLogger(__name__)

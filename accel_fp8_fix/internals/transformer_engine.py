@@ -19,7 +19,7 @@ module).
   :func:`gemms_per_forward` (a ``GroupedLinear``'s own ``num_gemms``);
 - ``GroupedLinear``'s per-GEMM weights ``weight0`` .. ``weight{n-1}`` (read with ``getattr`` by
   ``_get_weight_tensors``): :func:`grouped_linear_without_weights` builds one that owns none,
-  :func:`grouped_linear_on_views` runs it on tensors it does not own (MoE experts, fixes/moe_experts.py).
+  :func:`grouped_linear_on_views` runs it on tensors it does not own (MoE experts, fixes/convert/moe_experts.py).
 
 Nothing here imports TE at import time; each fork is resolved on first use and kept. :func:`check` reads TE's
 source (importing TE loads its CUDA libraries) when the patch set is applied: a name that is gone refuses

@@ -22,7 +22,7 @@ MOE = "integrations/moe.py"
 FEATURES: dict[str, tuple[str, dict]] = {
     "tp_styles": (
         "Transformer Engine's own TP for the Linears transformers' colwise / rowwise styles shard, and the forward "
-        "its TP styles install (fixes/te_convert.py, fixes/moe_experts.py)", {
+        "its TP styles install (fixes/convert/te_convert.py, fixes/convert/moe_experts.py)", {
             (TP, "TensorParallelLayer.install_forward"): {"5.24.0": "94c17e484a303e2d", "5.25.0": "09aed040e15229bf"},
             (TP, "ColwiseParallel.__init__"): {"5.24.0": "a82498832263e05c", "5.25.0": "a82498832263e05c"},
             (TP, "ColwiseParallel.transform_inputs_pre_forward"):
@@ -37,13 +37,13 @@ FEATURES: dict[str, tuple[str, dict]] = {
         }),
     "grad_allreduce": (
         "the gradient all-reduce of replicated_with_grad_allreduce (per-head q_norm / k_norm: Qwen3, Gemma3, "
-        "Qwen3-MoE, ...), taken over under FSDP2 x TP and TP + FP8 (fixes/tp.py, A15)", {
+        "Qwen3-MoE, ...), taken over under FSDP2 x TP and TP + FP8 (fixes/convert/tp.py, A15)", {
             (TP, "ReplicatedWithGradAllReduce.install_forward"):
                 {"5.24.0": "972d589f345572de", "5.25.0": "17469fb515facbc4"},
         }),
     "moe_tp_experts": (
         "TP-sharded packed experts (moe_tp_experts with packed_colwise / rowwise) on TE grouped GEMMs "
-        "(fixes/moe_experts.py)", {
+        "(fixes/convert/moe_experts.py)", {
             (TP, "MoeExpertsParallel.transform_inputs_pre_forward"):
                 {"5.24.0": "f244d6e7ee212c49", "5.25.0": "f244d6e7ee212c49"},
             (TP, "MoeExpertsParallel.transform_output_post_forward"):
@@ -64,14 +64,14 @@ FEATURES: dict[str, tuple[str, dict]] = {
         }),
     "experts_implementation": (
         "packed 3-D experts (@use_experts_implementation) on TE grouped GEMMs: the routing, gating and weighting "
-        "the package's experts forward mirrors (fixes/moe_experts.py)", {
+        "the package's experts forward mirrors (fixes/convert/moe_experts.py)", {
             (MOE, "use_experts_implementation"): {"5.24.0": "993c3cae142242ed", "5.25.0": "993c3cae142242ed"},
             (MOE, "_default_apply_gate"): {"5.24.0": "2d8844be94e54259", "5.25.0": "2d8844be94e54259"},
             (MOE, "batched_mm_experts_forward"): {"5.24.0": "8f33abfd2e57fb4b", "5.25.0": "8f33abfd2e57fb4b"},
         }),
     "distributed_loading": (
         "models sharded at load (from_pretrained(distributed_config=DistributedConfig(...))): transformers' FSDP2 "
-        "and its mesh names (fixes/presharded.py, A18)", {
+        "and its mesh names (fixes/convert/presharded.py, A18)", {
             ("distributed/fsdp.py", "apply_fully_sharded_data_parallelism"):
                 {"5.24.0": "6cd84fee2b7f7b90", "5.25.0": "6cd84fee2b7f7b90"},
         }),

@@ -60,7 +60,7 @@ def _grad_allreduce_pre_hooks(module) -> list:
 def remove_grad_allreduce(module) -> bool:
     """Take ``replicated_with_grad_allreduce`` off ``module`` (either form; True when it had it): the style registers a
     post-accumulate-grad hook on each parameter at forward, which needs a leaf parameter and a plain gradient — the
-    caller sums the gradient over the TP group instead (fixes/tp.py). The instance ``forward`` goes back to the
+    caller sums the gradient over the TP group instead (fixes/convert/tp.py). The instance ``forward`` goes back to the
     module's own (the one the style closed over); the pre-hook is removed."""
     forward = _grad_allreduce_forward(module)
     if forward is not None:

@@ -1,4 +1,4 @@
-"""Expert parallelism with FP8 (issue 30 item 1, fixes/moe_experts.py): a Qwen3-MoE loaded the way transformers 5.x
+"""Expert parallelism with FP8 (issue 30 item 1, fixes/convert/moe_experts.py): a Qwen3-MoE loaded the way transformers 5.x
 documents for large MoE models — ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=4,
 ep_size=2))``: whole experts per EP rank (``Shard(0)`` on ``ep``), FSDP2 over the expert replicas (``efsdp``), the
 token dispatch an all-to-all over gloo — then accelerate FSDP2 + fp8 with the package, 4 ranks, against one process.

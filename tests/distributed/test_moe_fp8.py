@@ -1,4 +1,4 @@
-"""MoE experts in FP8 under FSDP2 / HSDP / FSDP2 x TP (issue 19; fixes/moe_experts.py): Qwen3-MoE and Qwen2-MoE
+"""MoE experts in FP8 under FSDP2 / HSDP / FSDP2 x TP (issue 19; fixes/convert/moe_experts.py): Qwen3-MoE and Qwen2-MoE
 (shared expert) — and, FP8 under FSDP2 and FSDP2 x TP, Mixtral, OLMoE and DeepSeek-V3 (latent attention, a shared
 expert, grouped routing; issue 30 item 3) — prepared by the package, their packed experts on TE grouped GEMMs over views of the sharded 3-D
 parameters (TP: transformers' packed_colwise / rowwise local shards inside its moe_tp_experts style), 3 steps

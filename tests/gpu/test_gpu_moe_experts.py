@@ -1,4 +1,4 @@
-"""MoE experts on TE grouped GEMMs (fixes/moe_experts.py) on REAL Transformer Engine: one CUDA GPU, world size 1,
+"""MoE experts on TE grouped GEMMs (fixes/convert/moe_experts.py) on REAL Transformer Engine: one CUDA GPU, world size 1,
 through accelerate's FSDP2 ``prepare`` with the fixes active.
 
 What the CPU rehearsal cannot prove: TE's CUDA ``split_quantize`` and cuBLAS grouped GEMM (``te_general_grouped_gemm``)
@@ -100,8 +100,8 @@ def test_gpt_oss_experts_transposed_with_biases_match_transformers_on_real_te():
     import transformers as tf
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.moe_experts import convert_experts
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.moe_experts import convert_experts
 
     config = tf.GptOssConfig(hidden_size=256, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)
     torch.manual_seed(0)

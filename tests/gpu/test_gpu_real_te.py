@@ -221,9 +221,9 @@ def test_tp_conversion_keeps_dtensor_parameters_and_gradients_flow(single_rank):
 
     import transformer_engine.common.recipe as te_recipe
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
-    from accel_fp8_fix.fixes.tp_layout import record_tp_layout
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.tp_layout import record_tp_layout
 
     _state_manager().reset()
     mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("tp",))

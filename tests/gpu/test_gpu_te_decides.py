@@ -8,7 +8,7 @@
 * FP8 GEMMs observed: every TE GEMM of a training step takes FP8 operands, and cuBLAS runs FP8 kernels
   (``torch.profiler`` kernel names).
 * Token counts: which per-rank token counts TE's FP8 GEMMs accept and which they refuse, against the
-  package's rule (``accel_fp8_fix.fixes.fp8_shapes``: a multiple of 8, 16 in training on TN-only FP8 GEMMs) and its own check's message.
+  package's rule (``accel_fp8_fix.fixes.convert.fp8_shapes``: a multiple of 8, 16 in training on TN-only FP8 GEMMs) and its own check's message.
 
 Skipped without CUDA, real TE or FP8 support (tests/support/real_te.py says why).
 """
@@ -69,7 +69,7 @@ def _train(acc, model, opt, steps):
 
 # -- checkpoints ------------------------------------------------------------------------------------------------
 def test_fp8_state_survives_save_state_and_load_state_without_unsafe_pickle(single_rank, tmp_path):
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ
     acc = _accelerator()
@@ -106,7 +106,7 @@ def test_fp8_state_survives_save_state_and_load_state_without_unsafe_pickle(sing
 def test_stock_te_refuses_its_own_delayed_scaling_state_and_the_safe_loader_reads_it(single_rank):
     from transformer_engine.common.recipe import DelayedScaling, Format
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.fp8_state_loading import install_safe_loading
 
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=8)
@@ -202,8 +202,8 @@ def test_every_te_gemm_of_a_training_step_is_fp8_and_cublas_runs_fp8_kernels(sin
 def test_token_counts_te_fp8_gemms_accept_and_refuse_match_the_package_rule(single_rank):
     from transformer_engine.common.recipe import DelayedScaling, Format
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.fp8_shapes import FP8_LEADING_MULTIPLE, WGRAD_TOKENS_MULTIPLE, install_token_check
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.fp8_shapes import FP8_LEADING_MULTIPLE, WGRAD_TOKENS_MULTIPLE, install_token_check
     from accel_fp8_fix.internals.transformer_engine import fp8_gemms_tn_only
 
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4)

@@ -237,8 +237,8 @@ def _frame_of(module_name, body="import sys\ndef here(inner=None):\n    return i
         (["transformer_engine.pytorch.ops", "torch.distributed.distributed_c10d", "contextlib", "torch"], True),
         (["__main__"], False),
         (["accelerate.accelerator", "torch.nn.modules.module"], False),
-        (["accel_fp8_fix.fixes.te_convert"], False),
-        (["transformer_engine.pytorch.module.base", "accel_fp8_fix.fixes.fp8_shapes", "torch.nn.functional"], False),
+        (["accel_fp8_fix.fixes.convert.te_convert"], False),
+        (["transformer_engine.pytorch.module.base", "accel_fp8_fix.fixes.convert.fp8_shapes", "torch.nn.functional"], False),
         (["transformer_engine_torch"], False),  # the real extension's name never runs Python frames here
         (["torchvision.ops"], False),  # "torch" is torch and torch.*, not every name that starts with it
     ],

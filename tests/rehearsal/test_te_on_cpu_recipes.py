@@ -372,7 +372,7 @@ def _on_blackwell(rank, world_size):
     # weight-gradient GEMM's leading dimension is not the tokens — TE runs it, and the package's check lets it
     from transformer_engine.common.recipe import DelayedScaling
 
-    from accel_fp8_fix.fixes.fp8_shapes import install_token_check
+    from accel_fp8_fix.fixes.convert.fp8_shapes import install_token_check
 
     out["train24"] = {}
     for checked in (False, True):

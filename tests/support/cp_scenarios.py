@@ -300,9 +300,9 @@ def cp_reference(family, steps):
     import torch
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     from . import zoo_scenarios
 
@@ -328,7 +328,7 @@ def cp_reference(family, steps):
 
 
 def _snapshot(model):
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     return ({n: scenarios.full_tensor(p).detach().clone() for n, p in model.named_parameters()},
             {k: v.detach().clone() for k, v in fp8_state_tensors(model).items()})

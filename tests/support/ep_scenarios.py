@@ -52,7 +52,7 @@ def reference(family, fp8, steps, skew=None):
     """One process, full batch: (losses, clipped grad norms, the experts' forward amax histories after step 0)."""
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     model = zoo_scenarios.build(family)
     model.config._experts_implementation = "eager"
@@ -80,7 +80,7 @@ def _sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=S
     import torch
     import torch.distributed as dist
 
-    from accel_fp8_fix.fixes.fp8_state import AMAX_GROUP_ATTR
+    from accel_fp8_fix.fixes.convert.fp8_state import AMAX_GROUP_ATTR
 
     warnings.simplefilter("ignore")
     scenarios.ensure_rehearsal(True)
@@ -183,7 +183,7 @@ def _prepared_ep(family, fsdp, ep, seed=0, tp=None):
 
 def _local_state(model) -> dict:
     """This rank's local parameter shards and the experts runners' FP8 state (clones)."""
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     params = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
     fp8 = {k: v.clone() for k, v in fp8_state_tensors(model).items()}

@@ -60,8 +60,8 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     import transformer_engine.pytorch as te
 
     from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     model = build()
     convert_after_sharding(model, te, exclude=exclude)
@@ -606,7 +606,7 @@ def _fp8_weight_leaves(model, params):
 
     from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
     from accel_fp8_fix.fixes.fp8_experts_gather import EXPERT_WEIGHTS, Fp8Experts
-    from accel_fp8_fix.fixes.moe_experts import is_converted
+    from accel_fp8_fix.fixes.convert.moe_experts import is_converted
     from accel_fp8_fix.internals import transformer_engine as te_internals
 
     out = []
@@ -804,7 +804,7 @@ class _ExpertBitsProbe:
         import torch
         import torch.distributed as dist
 
-        from accel_fp8_fix.fixes.tp_layout import DATA_PARALLEL_DIMS
+        from accel_fp8_fix.fixes.convert.tp_layout import DATA_PARALLEL_DIMS
         from accel_fp8_fix.internals import torch_internals
 
         if not hasattr(param, "device_mesh"):

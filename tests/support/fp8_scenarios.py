@@ -61,8 +61,8 @@ def _reference_fp8_losses(steps=STEPS, frozen=(), rows=GLOBAL_BATCH):
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     model = _freeze(scenarios.block_stack(seed=0), frozen)
     convert_after_sharding(model, te)
@@ -167,7 +167,7 @@ def reduced_fp8_state(model) -> dict:
     """The FP8 state that TE has reduced over the amax group: scales and the amax history without its
     row 0. Row 0 is the current step's pending, rank-local amax (under FSDP2 TE's backward re-quantizes the
     weight and writes its amax there, and TP shards differ); the next reduction takes its max over ranks."""
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     return {k: (v[1:] if k.endswith("amax_history") else v) for k, v in fp8_state_tensors(model).items()}
 
@@ -215,7 +215,7 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
     import torch
     import torch.distributed as dist
 
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -386,7 +386,7 @@ def sc_checkpoint_save(rank, world_size, out_dir):
     acc.save_state(os.path.join(out_dir, "ckpt"))
     full = acc.get_state_dict(model, unwrap=False)  # everything save_state keeps, FP8 state included
     export = acc.get_state_dict(model)  # unwrap=True: an export (save_model), without the FP8 state
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in full.items()}, os.path.join(out_dir, "reference.pt"))
@@ -402,7 +402,7 @@ def sc_checkpoint_load(rank, world_size, out_dir, recompute_entry=False):
     its ``_extra_state`` pickle is then longer than the checkpoint's (2201 -> 2241 bytes)."""
     import torch
 
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
@@ -449,7 +449,7 @@ def sc_gradient_checkpointing_resume(rank, world_size, out_dir, steps=4, saved_a
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     scenarios.ensure_rehearsal(True)
 
@@ -563,8 +563,8 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
     import transformer_engine.pytorch as te
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=MXFP8_RECIPE,
@@ -621,7 +621,7 @@ def train_te_reference(model, recipe, batch: dict, steps: int, lr: float, max_no
     import torch
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
 
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, norms = [], []

@@ -1,4 +1,4 @@
-"""MoE experts in FP8 (fixes/moe_experts.py, issue 19) scenarios: the one-process checks of
+"""MoE experts in FP8 (fixes/convert/moe_experts.py, issue 19) scenarios: the one-process checks of
 tests/unit/test_moe_experts.py (each in a fresh process: TE's Python over the CPU shim) and the ranks of
 tests/distributed/test_moe_fp8.py (Qwen3-MoE and Qwen2-MoE under FSDP2, HSDP and FSDP2 x TP).
 """
@@ -151,8 +151,8 @@ def _experts_case(family, zero_experts=(), recipes=("delayed", "current")) -> di
     """transformers' experts (eager loop, and grouped_mm) vs the TE grouped-GEMM forward, FP8 off and on."""
     import torch
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.moe_experts import convert_experts
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.moe_experts import convert_experts
 
     te = _te()
     hidden, index, weights = _routing(family, zero_experts)
@@ -197,8 +197,8 @@ def _model_case(family) -> dict:
     """A whole model, FP8 off: only the experts on TE grouped GEMMs vs plain transformers (eager experts)."""
     import torch
 
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.moe_experts import convert_experts
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    from accel_fp8_fix.fixes.convert.moe_experts import convert_experts
 
     te = _te()
     ref, model = zoo_scenarios.build(family), zoo_scenarios.build(family)
@@ -224,7 +224,7 @@ def _state_dict_case(family) -> dict:
     transformers, plus TE's _extra_state."""
     import torch
 
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     te = _te()
     plain, model = zoo_scenarios.build(family), zoo_scenarios.build(family)
@@ -249,8 +249,8 @@ def _coverage_case(family) -> dict:
     import torch
 
     import accel_fp8_fix
-    from accel_fp8_fix.fixes.fp8_autocast import te_autocast, wrap_forward
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast, wrap_forward
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
     from accel_fp8_fix.internals.transformer_engine import gemms_per_forward
 
     te = _te()
@@ -294,7 +294,7 @@ def _row_multiples() -> dict:
     from transformer_engine.common import recipe as te_recipe
     from transformer_engine.pytorch.quantization import get_align_size_for_quantization
 
-    from accel_fp8_fix.fixes.moe_experts import expert_row_multiple
+    from accel_fp8_fix.fixes.convert.moe_experts import expert_row_multiple
 
     recipes = {"delayed": te_recipe.DelayedScaling(), "current": te_recipe.Float8CurrentScaling(), "block": te_recipe.Float8BlockScaling(),
                "mxfp8": te_recipe.MXFP8BlockScaling(), "nvfp4": te_recipe.NVFP4BlockScaling()}
@@ -318,7 +318,7 @@ def reference(family, fp8, convert, steps=STEPS):
     (eager experts loop)."""
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     model = zoo_scenarios.build(family)
     model.config._experts_implementation = "eager"
@@ -380,7 +380,7 @@ def _sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=Tru
     else:  # the experts left to transformers (everything else prepared as usual): what TP alone does
         from unittest import mock
 
-        with mock.patch("accel_fp8_fix.fixes.te_convert.convert_experts", lambda *a, **k: ([], [])):
+        with mock.patch("accel_fp8_fix.fixes.convert.te_convert.convert_experts", lambda *a, **k: ([], [])):
             acc, model, opt = _prepared(family, layout, experts_tp)
     setup = acc.accel_fp8_fix
     dp_rank, dp_size = zoo_scenarios._data_rank(acc, layout)
@@ -539,7 +539,7 @@ def sc_gemm_share(rank, world_size, experts=True, steps=2):
         else:
             from unittest import mock
 
-            with mock.patch("accel_fp8_fix.fixes.te_convert.convert_experts", lambda *a, **k: ([], [])):
+            with mock.patch("accel_fp8_fix.fixes.convert.te_convert.convert_experts", lambda *a, **k: ([], [])):
                 model, opt = acc.prepare(model, opt)
     # 8 x 64 tokens a rank: ~128 rows an expert (top-8 of 32), so FP8's padding to 16 rows is a few percent, as
     # at real batch sizes (a tiny batch would pad most of each expert's GEMM)

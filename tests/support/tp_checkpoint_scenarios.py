@@ -109,7 +109,7 @@ def _full(t):
 
 def full_state(model, opt) -> dict:
     """Full weights, optimizer state (per parameter name) and FP8 state, gathered on every rank."""
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     inner = getattr(opt, "optimizer", opt)
     params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}

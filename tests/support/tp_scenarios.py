@@ -38,7 +38,7 @@ def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP, intermediate=None
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     model = scenarios.tiny_llama(seed=0, **_sizes(intermediate))
     convert_after_sharding(model, te, exclude=tuple(keep))
@@ -145,7 +145,7 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
 def sc_tp_checkpoint_save(rank, world_size, out_dir, dp_shard=2, tp=2):
     import torch
 
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
     scenarios.ensure_rehearsal(True)
@@ -171,7 +171,7 @@ def sc_tp_checkpoint_save(rank, world_size, out_dir, dp_shard=2, tp=2):
 def sc_tp_checkpoint_load(rank, world_size, out_dir, dp_shard=2, tp=2):
     import torch
 
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
     from accel_fp8_fix.testing.spy import CollectiveSpy
 
     scenarios.ensure_rehearsal(True)

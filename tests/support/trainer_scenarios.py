@@ -81,8 +81,8 @@ def reference(steps: int = STEPS, family: str = "llama"):
     Trainer applies: (losses, grad norms before clipping)."""
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     model = zoo_scenarios.build(family)
     model.config._experts_implementation = "eager"

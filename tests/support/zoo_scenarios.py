@@ -120,10 +120,10 @@ def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, re
     before clipping, converted names, step-0 gradients of 1-D parameters)."""
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.te_convert import convert_after_sharding
+    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     model = build(family)
-    from accel_fp8_fix.fixes.fp8_shapes import weight_multiple
+    from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
 
     te_recipe = _recipe(recipe)
     converted = sorted(convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(te_recipe),
@@ -200,7 +200,7 @@ def experts_tp_sharded(model) -> bool:
 def _experts_convert(family: str, layout: str) -> bool:
     """Whether the ranks put this family's packed experts on TE grouped GEMMs under ``layout``: their TP-local
     expert width (moe_intermediate_size / tp when the plan shards them) must be a multiple of 16, TE's FP8 GEMM dim
-    (fixes/moe_experts.py)."""
+    (fixes/convert/moe_experts.py)."""
     model = build(family)
     width = getattr(model.config, "moe_intermediate_size", None)
     tp = (LAYOUTS[layout][2] or 1) if experts_tp_sharded(model) else 1
@@ -211,7 +211,7 @@ def sc_zoo(rank, world_size, family, layout, precision="fp8", steps=STEPS, out_d
     import torch
     import torch.distributed as dist
 
-    from accel_fp8_fix.fixes.fp8_state import fp8_state_tensors
+    from accel_fp8_fix.fixes.convert.fp8_state import fp8_state_tensors
 
     scenarios.ensure_rehearsal(True)
     ref_losses, ref_norms, ref_converted, ref_grads = reference(family, fsdp2=LAYOUTS[layout][1] is not None, steps=steps,

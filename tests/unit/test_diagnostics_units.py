@@ -19,7 +19,7 @@ from torch import nn
 from accel_fp8_fix.diagnostics import notes
 from accel_fp8_fix.diagnostics.audit import audit
 from accel_fp8_fix.diagnostics.launch_check import check_launch_config
-from accel_fp8_fix.fixes import run_state
+from accel_fp8_fix.fixes.convert import run_state
 
 ROOT = Path(__file__).resolve().parents[2]
 MIXED = ("aten.mul.Tensor got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before "

@@ -3,7 +3,7 @@ declarations is checked here against its source, so a change that makes one wron
 waiting for a reviewer. What is checked: the version windows (patches/*.toml), the module maps
 (docs/architecture.md against the package's files), every repository path a document names, the failure labels
 (docs/failures.md against docs/fixes.md, and the table rows' promised length), the token multiples README states
-(fixes/fp8_shapes.py), the settings table (tests/unit/test_settings.py), and the line count a map claims.
+(fixes/convert/fp8_shapes.py), the settings table (tests/unit/test_settings.py), and the line count a map claims.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_a_failures_md_row_is_short(label):
 
 # -- figures ------------------------------------------------------------------------------------------------------
 def test_the_readme_states_the_token_multiples_the_check_asks():
-    from accel_fp8_fix.fixes import fp8_shapes
+    from accel_fp8_fix.fixes.convert import fp8_shapes
 
     limits = _text(ROOT / "README.md").split("## Limits", 1)[1]
     bullet = next(b for b in limits.split("\n- ") if "token count" in b)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from accel_fp8_fix.fixes.fp8_state import find_unregistered_tensors, fp8_state_tensors, register_tensor_state
+from accel_fp8_fix.fixes.convert.fp8_state import find_unregistered_tensors, fp8_state_tensors, register_tensor_state
 from support import launcher
 
 
@@ -79,7 +79,7 @@ def _autocast_wrapper(rank, world_size):
     import transformer_engine.pytorch as te
     from accelerate.utils.transformer_engine import contextual_fp8_autocast
 
-    from accel_fp8_fix.fixes.fp8_autocast import wrap_forward
+    from accel_fp8_fix.fixes.convert.fp8_autocast import wrap_forward
 
     def run(model, train):
         model.train(train)
@@ -166,7 +166,7 @@ def test_fp8_state_stays_in_checkpoints_after_an_eval_pass():
 def test_fp8_shape_rule_is_checked_on_the_tp_local_shard():
     """A11: TE's FP8 GEMMs see the TP-local weight. A 64 x 48 Linear fits unsharded, but its column-parallel
     shard on 2 ranks is 24 wide: kept (the global check used before would have converted it)."""
-    from accel_fp8_fix.fixes.fp8_shapes import local_dims, local_dims_fit
+    from accel_fp8_fix.fixes.convert.fp8_shapes import local_dims, local_dims_fit
 
     assert local_dims(64, 48, None, 1) == (64, 48) and local_dims_fit(64, 48)
     assert local_dims(64, 48, "column", 2) == (64, 24) and not local_dims_fit(64, 24)

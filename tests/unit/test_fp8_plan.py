@@ -1,5 +1,5 @@
 """One place per decision (issue 29 item 3): a patched ``prepare`` chooses the TE recipe, builds it and decides the
-FP8 all-gather once (fixes/fp8_plan.py), and the later steps read the plan. Counted here on the prepare path a
+FP8 all-gather once (fixes/convert/fp8_plan.py), and the later steps read the plan. Counted here on the prepare path a
 single process can run: ``prepare`` -> ``plan_fp8`` -> the stock prepare (a stub) -> ``finish_fp8_prepare``, the
 steps that need sharded TE modules replaced by recorders."""
 
@@ -15,13 +15,14 @@ from accel_fp8_fix.rehearsal import te_on_cpu
 
 te_on_cpu.install()  # TE's real Python (its recipe classes) over the CPU kernel shim
 
-from accel_fp8_fix.fixes import fp8_all_gather, fp8_plan  # noqa: E402
+from accel_fp8_fix.fixes import fp8_all_gather  # noqa: E402
+from accel_fp8_fix.fixes.convert import fp8_plan  # noqa: E402
 from accel_fp8_fix.fixes.start import fp8_all_gather_policy, handler_choices  # noqa: E402
 from accel_fp8_fix.fixes import prepare as prepare_fix  # noqa: E402
 from accel_fp8_fix.fixes.start import recipes  # noqa: E402
-from accel_fp8_fix.fixes import run_state  # noqa: E402
+from accel_fp8_fix.fixes.convert import run_state  # noqa: E402
 from accel_fp8_fix.fixes.start.recipe_kwargs import te_recipe_kwargs  # noqa: E402
-from accel_fp8_fix.fixes.te_convert import ConversionReport  # noqa: E402
+from accel_fp8_fix.fixes.convert.te_convert import ConversionReport  # noqa: E402
 
 
 class _Counted:
@@ -41,7 +42,7 @@ class _TEModule(nn.Linear):
 
 
 class _Accelerator(SimpleNamespace):
-    __hash__ = object.__hash__  # the package keeps a record per accelerator (fixes/run_state.py)
+    __hash__ = object.__hash__  # the package keeps a record per accelerator (fixes/convert/run_state.py)
 
 
 def _accelerator(handler):

@@ -337,12 +337,12 @@ def test_the_te_fence_sees_attributes_and_getattr():
 
 
 # -- the package owns its state (issue 46 item 2) -----------------------------------------------------------------
-# What passes between the stages of a run lives in the package's records (fixes/run_state.py), looked up by the
+# What passes between the stages of a run lives in the package's records (fixes/convert/run_state.py), looked up by the
 # package — never as attributes on accelerate's, torch's or TE's objects. Attributes that only mark a step done (so
 # that it is idempotent) may stay: MARKERS. NOT_YET_MOVED: state still carried on foreign objects; the list only
 # shrinks (a name moved must leave it, a new one fails here).
 MARKERS = frozenset({
-    "_accel_fp8_fix_autocast",  # a forward wrapped under TE autocast (fixes/fp8_autocast.py)
+    "_accel_fp8_fix_autocast",  # a forward wrapped under TE autocast (fixes/convert/fp8_autocast.py)
     "_accel_fp8_fix_observed",  # TE's amax reduction observed (rehearsal)
     "_accel_fp8_fix_keeps_fp8_state",  # a TE module's get_extra_state wrapped (fixes/checkpoint.py)
     "_accel_fp8_fix_forward_notes",  # a model's forward error notes installed (diagnostics/notes.py)
@@ -363,7 +363,7 @@ def test_no_package_state_on_foreign_objects_but_markers():
         found |= set(re.findall(r"_(?:self_)?accel_fp8_fix_[a-z0-9_]*[a-z0-9]", path.read_text()))
     found = {name if name.startswith("_self_") else "_" + name.lstrip("_") for name in found}
     new = found - MARKERS - NOT_YET_MOVED
-    assert not new, f"state on foreign objects: keep it in the package's records (fixes/run_state.py): {sorted(new)}"
+    assert not new, f"state on foreign objects: keep it in the package's records (fixes/convert/run_state.py): {sorted(new)}"
     moved = NOT_YET_MOVED - found
     assert not moved, f"moved into the package's records: take them off NOT_YET_MOVED: {sorted(moved)}"
 
@@ -371,7 +371,7 @@ def test_no_package_state_on_foreign_objects_but_markers():
 def test_inside_a_patched_prepare_is_a_context_variable():
     """The flag the inner calls of a patched prepare read is a ContextVar of the package, set for that accelerator
     only: another accelerator, or the same one outside the block, is not inside."""
-    from accel_fp8_fix.fixes import run_state
+    from accel_fp8_fix.fixes.convert import run_state
 
     class Accelerator:
         pass

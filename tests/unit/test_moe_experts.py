@@ -1,4 +1,4 @@
-"""MoE experts packed as 3-D parameters on Transformer Engine grouped GEMMs (fixes/moe_experts.py, issue 19):
+"""MoE experts packed as 3-D parameters on Transformer Engine grouped GEMMs (fixes/convert/moe_experts.py, issue 19):
 one process, TE's real Python over the CPU kernel shim (a fresh process per recipe family: TE caches its
 answers), Qwen3-MoE, Qwen2-MoE (shared expert) and GPT-OSS (issue 30: ``[E, in, out]`` weights with biases, gate
 and up interleaved, a clamped SwiGLU) from transformers 5.x, tiny configs.
@@ -177,7 +177,7 @@ def _gpt_oss_experts():
 def test_unsupported_experts_are_kept_and_named():
     from torch import nn
 
-    from accel_fp8_fix.fixes.moe_experts import convert_experts
+    from accel_fp8_fix.fixes.convert.moe_experts import convert_experts
 
     model = nn.Module()
     model.no_gate, model.bad_bias = _gpt_oss_experts(), _gpt_oss_experts()
@@ -193,7 +193,7 @@ def test_unsupported_experts_are_kept_and_named():
 def test_expert_parallel_and_odd_dims_are_refused_by_name():
     from torch import nn
 
-    from accel_fp8_fix.fixes.moe_experts import convert_experts
+    from accel_fp8_fix.fixes.convert.moe_experts import convert_experts
     from support import zoo_scenarios
 
     model = zoo_scenarios.build("qwen3_moe")

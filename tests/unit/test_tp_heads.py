@@ -1,11 +1,11 @@
-"""Attention heads not divisible by ``tp_size``: a named ValueError at ``prepare`` (fixes/tp.py), not a bare
+"""Attention heads not divisible by ``tp_size``: a named ValueError at ``prepare`` (fixes/convert/tp.py), not a bare
 ``shape '[2, 32, -1, 32]' is invalid`` at the first forward."""
 
 import types
 
 import pytest
 
-from accel_fp8_fix.fixes.tp import check_heads_divisible
+from accel_fp8_fix.fixes.convert.tp import check_heads_divisible
 
 
 def _model(**fields):

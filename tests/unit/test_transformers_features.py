@@ -115,7 +115,7 @@ def test_grad_allreduce_is_taken_off_in_the_installed_form_and_summed_by_the_pac
 
     from torch.distributed.tensor import DTensor, Replicate
 
-    from accel_fp8_fix.fixes.tp import check_grad_allreduce, replicate_plain_parameters
+    from accel_fp8_fix.fixes.convert.tp import check_grad_allreduce, replicate_plain_parameters
     from accel_fp8_fix.internals import transformers_tp
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -218,7 +218,7 @@ def _chosen(handler) -> tuple[object, str]:
 
 def build(handler, checked=None):
     """(TE recipe, use_autocast_during_eval) for accelerate's ``TERecipeKwargs`` (or None), validated. ``checked``:
-    what ``check_handler(handler)`` already returned (fixes/fp8_plan.py passes it: the choice is not resolved
+    what ``check_handler(handler)`` already returned (fixes/convert/fp8_plan.py passes it: the choice is not resolved
     twice)."""
     import transformer_engine.common.recipe as te_recipe
 

@@ -9,9 +9,9 @@ from types import MethodType
 
 import torch
 
-from .._log import warn_user
-from ..internals.accelerate_internals import unwrap_accelerate_autocast
-from ..internals.transformer_engine import autocast_factory
+from ..._log import warn_user
+from ...internals.accelerate_internals import unwrap_accelerate_autocast
+from ...internals.transformer_engine import autocast_factory
 
 
 def te_autocast(te):

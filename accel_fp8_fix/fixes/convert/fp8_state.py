@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..distributed.collectives import all_reduce, broadcast
-from ..internals.transformer_engine import rebuild_quantizers
+from ...distributed.collectives import all_reduce, broadcast
+from ...internals.transformer_engine import rebuild_quantizers
 
 # Set on a module whose FP8 state is shared by other ranks than the model's amax group's (the TE runners of an
-# expert-parallel experts module: the ranks holding the same experts, fixes/moe_experts.py); its value is that group.
+# expert-parallel experts module: the ranks holding the same experts, fixes/convert/moe_experts.py); its value is that group.
 AMAX_GROUP_ATTR = "_accel_fp8_fix_amax_group"
 
 SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
@@ -38,7 +38,7 @@ class RegisteredState:
 def _is_composable_state(obj) -> bool:
     """FSDP2's (or replicate's) per-module state, e.g. TE's ``_te_cached_parent_fsdp_state``: it holds the
     parameters of a whole FSDP unit, none of them this module's own state."""
-    from ..internals.torch_internals import is_composable_state
+    from ...internals.torch_internals import is_composable_state
 
     return is_composable_state(obj)
 

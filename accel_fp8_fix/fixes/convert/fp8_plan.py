@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from .start import recipes
-from .start.fp8_all_gather_policy import Fp8AllGatherError, block_recipe_refusal, offloaded, refusal, requested
+from ..start import recipes
+from ..start.fp8_all_gather_policy import Fp8AllGatherError, block_recipe_refusal, offloaded, refusal, requested
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Fp8Plan:
 def plan_fp8(accelerator) -> Fp8Plan:
     """At prepare, before anything is sharded or converted: the plan; raises ``Fp8AllGatherError`` naming the
     setting and the reason when the FP8 all-gather is asked for and cannot run."""
-    from ..internals.accelerate_internals import recipe_handler
+    from ...internals.accelerate_internals import recipe_handler
 
     handler = recipe_handler(accelerator)
     on, setting = requested(handler)
@@ -64,7 +64,7 @@ def plan_fp8(accelerator) -> Fp8Plan:
 
 
 def _check_all_gather(accelerator, plan: Fp8Plan) -> None:
-    from ..engine.versions import installed_version
+    from ...engine.versions import installed_version
 
     plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
     versions = {name: installed_version(name) for name in ("transformer-engine", "torch")}

@@ -5,14 +5,14 @@ Each fix that takes over or mirrors a transformers internal names it in a featur
 model is read (its TP styles, packed experts, expert parallelism, loading) and every feature it would use must be
 verified, or the patched ``prepare`` refuses by name before anything is sharded or converted — on a transformers
 newer than the tested window, a model that uses nothing that changed loses nothing.
-(``replicated_with_grad_allreduce`` is checked where it is taken over, in any precision: fixes/tp.py.)
+(``replicated_with_grad_allreduce`` is checked where it is taken over, in any precision: fixes/convert/tp.py.)
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..internals import transformers_ep, transformers_features, transformers_tp
+from ...internals import transformers_ep, transformers_features, transformers_tp
 from .moe_experts import is_packed_experts
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import collectives
-from ..distributed.dtensor import is_dtensor
+from ...distributed import collectives
+from ...distributed.dtensor import is_dtensor
 
 
 class _SumGradOverGroup(torch.autograd.Function):

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._log import say
-from ..internals import torch_fsdp2, transformers_tp
-from ..internals.transformer_engine import has_fp8_state
+from ..._log import say
+from ...internals import torch_fsdp2, transformers_tp
+from ...internals.transformer_engine import has_fp8_state
 from .fp8_shapes import FP8_LAST_MULTIPLE, install_token_check, local_dims, local_dims_fit
 from .local_shards import install_local_shards
 from .moe_experts import convert_experts
@@ -80,7 +80,7 @@ class ConversionReport:
     converted: list = field(default_factory=list)  # qualified names
     skipped: list = field(default_factory=list)  # (qualified name, reason)
     te_modules: list = field(default_factory=list)  # every TE module with FP8 state, converted or not
-    experts: list = field(default_factory=list)  # packed MoE experts running TE grouped GEMMs (fixes/moe_experts.py)
+    experts: list = field(default_factory=list)  # packed MoE experts running TE grouped GEMMs (fixes/convert/moe_experts.py)
 
 
 def _te_tp_mismatch(module: nn.Module, mode) -> str | None:

@@ -31,7 +31,7 @@ TP (``moe_tp_experts`` with ``packed_colwise`` gate_up / ``rowwise`` down) keeps
 output transforms: the forward here is what transformers' TP forward calls, on the local shards it hands in
 (each rank: its ``I / tp`` slice of every expert, outputs summed by the style). Experts a TP plan leaves alone —
 transformers 5.25's default Qwen3-MoE / Mixtral plans — are replicated on the TP ranks (``Replicate`` on ``tp``,
-fixes/tp.py): every TP rank runs every expert whole on the same tokens, their gradients alike on every TP rank.
+fixes/convert/tp.py): every TP rank runs every expert whole on the same tokens, their gradients alike on every TP rank.
 Refused by name (kept in high precision, in the conversion report): non-gated experts, a post-expert norm,
 TP-sharded transposed experts, a TP layout other than the ones above, an expert-parallel dispatch this package does
 not know, local dims that are not a multiple of the recipe's.
@@ -49,9 +49,9 @@ from types import MethodType
 import torch
 from torch import nn
 
-from ..distributed.dtensor import is_dtensor
-from ..internals import torch_internals, transformers_ep, transformers_tp
-from ..internals import transformer_engine as te_internals
+from ...distributed.dtensor import is_dtensor
+from ...internals import torch_internals, transformers_ep, transformers_tp
+from ...internals import transformer_engine as te_internals
 from .fp8_shapes import FP8_LAST_MULTIPLE, recipe_multiples
 from .fp8_state import AMAX_GROUP_ATTR
 from .tp_layout import DATA_PARALLEL_DIMS, is_fsdp_placement

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..distributed.dtensor import is_dtensor
-from ..internals.accelerate_internals import prepare_one
-from ..internals import transformers_features, transformers_tp
+from ...distributed.dtensor import is_dtensor
+from ...internals.accelerate_internals import prepare_one
+from ...internals import transformers_features, transformers_tp
 from . import run_state
 from .local_shards import install_local_shards
 from .tp_layout import TP_ATTR

@@ -16,8 +16,8 @@ import logging
 
 from torch import nn
 
-from .._log import say
-from ..distributed.dtensor import is_dtensor
+from ..._log import say
+from ...distributed.dtensor import is_dtensor
 from .tp_layout import FSDP_DIM_NAMES
 
 logger = logging.getLogger(__name__)

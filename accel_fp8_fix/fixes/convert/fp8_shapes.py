@@ -70,7 +70,7 @@ def weight_multiple(recipe) -> int:
 
 def _fp8_multiples() -> tuple[int, int] | None:
     """(leading, last) multiples the current FP8 recipe needs, or None when FP8 is off."""
-    from ..internals.transformer_engine import fp8_global_state
+    from ...internals.transformer_engine import fp8_global_state
 
     FP8GlobalStateManager = fp8_global_state()
     if not FP8GlobalStateManager.is_fp8_enabled():
@@ -84,7 +84,7 @@ class _TokenCheck:
     backward reaches this module — only a step that runs backward is refused, as TE refuses it."""
 
     def __init__(self, name: str):
-        from ..internals.transformer_engine import fp8_gemms_tn_only
+        from ...internals.transformer_engine import fp8_gemms_tn_only
 
         self.name = name
         self.pending: str | None = None

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..distributed.dtensor import is_dtensor
-from ..internals import torch_internals
+from ...distributed.dtensor import is_dtensor
+from ...internals import torch_internals
 
 FSDP_DIM_NAMES = ("fsdp", "dp_shard", "dp_shard_cp")  # transformers' name, accelerate's names
 DATA_PARALLEL_DIMS = (*FSDP_DIM_NAMES, "dp_replicate", "dp_cp", "dp")  # mesh dims that never carry TP
