@@ -1,4 +1,4 @@
-"""FP8 all-gather under FSDP2 (fixes/fp8_all_gather.py), switch on vs off, on 2 and 4 CPU ranks, in one run.
+"""FP8 all-gather under FSDP2 (fixes/all_gather/fp8_all_gather.py), switch on vs off, on 2 and 4 CPU ranks, in one run.
 
 Each configuration is a real ``Accelerator(mixed_precision="fp8", fsdp_plugin=FSDP2, TERecipeKwargs(HYBRID delayed))``
 on gloo ranks (``accel_fp8_fix.testing.run_distributed``), Transformer Engine's real Python over the CPU kernel shim
@@ -20,7 +20,7 @@ Run: ``python benchmarks/fp8_all_gather.py [--dim 256 --depth 4 --worlds 2,4 --s
 ``--recipe block --dim 512``: Float8BlockScaling (128x128 tile scales ride in the gather; the head is ``dim`` wide so
 every shard is whole tiles on 4 ranks).
 
-``--moe``: packed MoE experts (fixes/fp8_experts_gather.py), scenario ``sc_moe``: a Qwen3-MoE with a real model's
+``--moe``: packed MoE experts (fixes/all_gather/fp8_experts_gather.py), scenario ``sc_moe``: a Qwen3-MoE with a real model's
 proportions (32 experts, top-8, experts ~85 % of the parameters; ``--family qwen3_moe_proportioned_6``: 6
 experts), all-gathered bytes per step on vs off and their ratio, per FSDP2 ``param_dtype`` policy, and the losses.
 """

@@ -31,7 +31,7 @@ table there too. ``--tiny`` runs a small model on CPU over TE's real Python with
 8 layers, hidden 2048, 16 heads / 4 KV heads, 64 experts of MLP 768 with top-8 routing: 2.6 B parameters, 0.45 B
 active a token), the experts' GEMMs through TE's grouped GEMM (fixes/convert/moe_experts.py); TFLOP/s counts the active
 parameters, and the GEMM column counts grouped GEMM calls as one each; its ``-ag8`` rows gather the experts in FP8
-too (a scale per expert, fixes/fp8_experts_gather.py; not under block scaling).
+too (a scale per expert, fixes/all_gather/fp8_experts_gather.py; not under block scaling).
 
 Run (one GPU, real TE): ``python benchmarks/gpu_throughput.py [--table out.md] [--budget 240] [--model qwen3_moe]``.
 """
@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("bf16", "fp8-delayed", "fp8-delayed-ag8", "fp8-current", "fp8-current-ag8", "fp8-block", "fp8-block-ag8",
            "fp8-mxfp8")
-AG8 = "-ag8"  # the same recipe with the FP8 all-gather (ACCELERATE_FP8_ALL_GATHER=fp8, fixes/fp8_all_gather.py)
+AG8 = "-ag8"  # the same recipe with the FP8 all-gather (ACCELERATE_FP8_ALL_GATHER=fp8, fixes/all_gather/fp8_all_gather.py)
 SUPPORT = {"fp8-delayed": "is_fp8_available", "fp8-current": "is_fp8_available",
            "fp8-delayed-ag8": "is_fp8_available", "fp8-current-ag8": "is_fp8_available",
            "fp8-block": "is_fp8_block_scaling_available", "fp8-block-ag8": "is_fp8_block_scaling_available",

@@ -23,7 +23,7 @@ from ..internals import transformers_features
 from ..internals.transformer_engine import FP8_STATE_ATTRS, gemms_per_forward, init_fp8_metadata
 from .activation_checkpointing import route_checkpointing_through_te
 from .checkpoint import keep_fp8_state_in_checkpoints
-from . import fp8_all_gather
+from .all_gather import fp8_all_gather
 from .convert.fp8_autocast import te_autocast, wrap_forward
 from .convert.fp8_plan import Fp8Plan, plan_fp8
 from .convert.fp8_state import amax_group_of, broadcast_fp8_state, register_tensor_state
@@ -52,7 +52,7 @@ class Fp8Setup:
     fp8_enabled: bool = False
     checkpointing_routed: list = field(default_factory=list)  # layers recomputing with TE's FP8-aware checkpoint
     model: object = field(default=None, repr=False, compare=False)  # the prepared model this setup is for
-    all_gather: object = None  # fixes/fp8_all_gather.Fp8AllGatherSetup when weights are all-gathered in FP8
+    all_gather: object = None  # fixes/all_gather/fp8_all_gather.Fp8AllGatherSetup when weights are all-gathered in FP8
 
 
 def handles_fp8_prepare(accelerator) -> bool:

@@ -18,7 +18,7 @@ _SOURCES = (
     ("_fsdp_param.py", "self._module_info"),
     ("_fsdp_param.py", "shared_modules"),
 )
-# What only the opt-in FP8 all-gather uses (FSDP2's all-gather extension, fixes/fp8_all_gather.py): checked at
+# What only the opt-in FP8 all-gather uses (FSDP2's all-gather extension, fixes/all_gather/fp8_all_gather.py): checked at
 # prepare when the switch is on, so a torch without them refuses the switch by name, not the whole patch set.
 FP8_ALL_GATHER_SOURCES = (
     ("_fsdp_param.py", "def _init_extensions("),
@@ -51,7 +51,7 @@ HASHED = {  # te_convert moves a parameter's module record; FSDP2 swaps paramete
     ("_fsdp_param.py", "FSDPParam._setattr_on_modules"): {
         "2.11.0": _UNCHANGED, "2.12.1": _UNCHANGED, "2.13.0": _UNCHANGED, "2.14.1": _UNCHANGED, "2.15.0": _UNCHANGED},
 }
-FP8_ALL_GATHER_HASHED = {  # fixes/fp8_all_gather.py re-runs _init_extensions' set-up and relies on the rest
+FP8_ALL_GATHER_HASHED = {  # fixes/all_gather/fp8_all_gather.py re-runs _init_extensions' set-up and relies on the rest
     ("_fsdp_param.py", "FSDPParam._init_extensions"): {
         "2.11.0": "7acdd637b487951c", "2.12.1": "7acdd637b487951c", "2.13.0": "7acdd637b487951c",
         "2.14.1": "7acdd637b487951c", "2.15.0": "7bf883bb18abd559"},
@@ -113,7 +113,7 @@ def retarget(fsdp_params_, old, new) -> None:
         info.shared_modules = [new if m is old else m for m in info.shared_modules]
 
 
-# -- the all-gather extension (fixes/fp8_all_gather.py) ----------------------------------------------------------
+# -- the all-gather extension (fixes/all_gather/fp8_all_gather.py) ----------------------------------------------------------
 # FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a parameter's sharded local tensor when that
 # tensor's class has them (``FSDPParam._init_extensions``, re-run by the group's ``lazy_init``). Conversion to TE
 # happens after ``fully_shard``, so the extension is installed on an already-sharded parameter: its local tensor

@@ -356,7 +356,7 @@ def loading_decoded(payload):
             setattr(base, name, value)
 
 
-# -- FP8 all-gather (fixes/fp8_all_gather.py): TE's Float8Tensor built from FSDP2-gathered bytes -----------------
+# -- FP8 all-gather (fixes/all_gather/fp8_all_gather.py): TE's Float8Tensor built from FSDP2-gathered bytes -----------------
 
 # What the opt-in FP8 all-gather needs of TE (checked at prepare when the switch is on, not when the patch set is
 # applied: a TE without them refuses the switch, by name, and leaves the rest of the fixes on).

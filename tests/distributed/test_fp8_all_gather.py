@@ -1,4 +1,4 @@
-"""FP8 all-gather under FSDP2 (issue 21; fixes/fp8_all_gather.py): weights gathered as FP8 + scale, masters,
+"""FP8 all-gather under FSDP2 (issue 21; fixes/all_gather/fp8_all_gather.py): weights gathered as FP8 + scale, masters,
 optimizer and checkpoints unchanged, one packed weight-amax all-reduce per step. CPU, gloo, TE's real Python.
 
 Scenarios: tests/support/fp8_all_gather_scenarios.py; one 2-rank launch, one 4-rank launch, and the one-rank
@@ -530,7 +530,7 @@ def test_one_rank_a_forward_that_bypasses_the_prepared_model_after_a_change_is_r
     assert "weights_changed()" in f["error"]
 
 
-# packed MoE experts gathered in FP8 (fixes/fp8_experts_gather.py) ------------------------------------------------
+# packed MoE experts gathered in FP8 (fixes/all_gather/fp8_experts_gather.py) ------------------------------------------------
 EXPERT_WEIGHTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
 
 

@@ -1,4 +1,4 @@
-"""FP8 all-gather under FSDP2 (``ACCELERATE_FP8_ALL_GATHER=fp8``, fixes/fp8_all_gather.py) on REAL Transformer
+"""FP8 all-gather under FSDP2 (``ACCELERATE_FP8_ALL_GATHER=fp8``, fixes/all_gather/fp8_all_gather.py) on REAL Transformer
 Engine: one CUDA GPU, world size 1 (FSDP2's all-gather is a local copy, its extension hooks run as on N GPUs).
 
 What the CPU rehearsal cannot prove: TE's CUDA cast of the shard, TE's cuBLAS FP8 GEMM on a Float8Tensor weight

@@ -76,7 +76,7 @@ def test_experts_train_in_fp8_on_te_grouped_gemms_like_the_bf16_run(single_rank)
 
 
 def test_experts_gathered_in_fp8_train_like_the_switch_off_run_on_real_te(single_rank):
-    """``all_gather: fp8`` (fixes/fp8_experts_gather.py): each expert's weight reaches TE's CUDA grouped GEMM as a
+    """``all_gather: fp8`` (fixes/all_gather/fp8_experts_gather.py): each expert's weight reaches TE's CUDA grouped GEMM as a
     Float8Tensor built from the gathered bytes and its own scale (TE's QuantizedTensor weight path, no second
     quantization), dgrad's transposed copy derived by TE; losses as with the experts gathered in bf16."""
     on = _train("fp8", all_gather=True)

@@ -1,4 +1,4 @@
-"""FP8 all-gather under FSDP2 (fixes/fp8_all_gather.py) scenarios, for tests/distributed/test_fp8_all_gather.py
+"""FP8 all-gather under FSDP2 (fixes/all_gather/fp8_all_gather.py) scenarios, for tests/distributed/test_fp8_all_gather.py
 and benchmarks/fp8_all_gather.py. Each runs inside a rank of ``run_distributed`` and returns facts.
 """
 
@@ -59,7 +59,7 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     import torch
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+    from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
     from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
@@ -291,7 +291,7 @@ class _BitsProbe:
                         for n, m in self.modules.items()]
 
     def expect(self):
-        from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+        from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
         from accel_fp8_fix.internals import transformer_engine as te_internals
 
         self.steps += 1
@@ -563,7 +563,7 @@ def sc_bad_input(rank, world_size, case):
 LAUNCH = {"env": scenarios.ENV_FIXED, "timeout": 300.0, "collective_timeout": 90.0}
 
 
-# -- packed MoE experts gathered in FP8 (fixes/fp8_experts_gather.py, issue 30 item 2) ------------------------------
+# -- packed MoE experts gathered in FP8 (fixes/all_gather/fp8_experts_gather.py, issue 30 item 2) ------------------------------
 MOE_BATCH = 8  # sequences of zoo_scenarios.SEQ tokens, split over the data-parallel ranks
 
 
@@ -604,8 +604,8 @@ def _fp8_weight_leaves(model, params):
     import torch
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
-    from accel_fp8_fix.fixes.fp8_experts_gather import EXPERT_WEIGHTS, Fp8Experts
+    from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
+    from accel_fp8_fix.fixes.all_gather.fp8_experts_gather import EXPERT_WEIGHTS, Fp8Experts
     from accel_fp8_fix.fixes.convert.moe_experts import is_converted
     from accel_fp8_fix.internals import transformer_engine as te_internals
 
@@ -757,7 +757,7 @@ class _ExpertBitsProbe:
     whole master expert (bytes and tile grid) — bit for bit."""
 
     def __init__(self, model, ag, recipe):
-        from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+        from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
 
         from accel_fp8_fix.internals import transformer_engine as te_internals
 
@@ -773,7 +773,7 @@ class _ExpertBitsProbe:
     def expect(self):
         import torch
 
-        from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+        from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
         from accel_fp8_fix.internals import transformer_engine as te_internals
 
         self.steps += 1

@@ -1,4 +1,4 @@
-"""FP8 all-gather (fixes/fp8_all_gather.py): the weight scales bit for bit against the CPU kernel shim's
+"""FP8 all-gather (fixes/all_gather/fp8_all_gather.py): the weight scales bit for bit against the CPU kernel shim's
 ``compute_scale_from_amax``, the shard alias that pickles as a plain tensor, the setting, and the refusals
 ``te_recipe_kwargs`` and ``doctor --launch`` give (the distributed behaviour: tests/distributed/test_fp8_all_gather.py).
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from accel_fp8_fix import settings
-from accel_fp8_fix.fixes import fp8_all_gather as fp8_all_gather_fix
+from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
 from accel_fp8_fix.fixes.start import fp8_all_gather_policy as policy
 from accel_fp8_fix.rehearsal.te_on_cpu import tex
 
@@ -199,7 +199,7 @@ def test_block_scaling_needs_whole_tiles_in_whole_shards(rows, world, why):
 
 
 def test_the_record_sees_every_way_a_shard_changes_and_the_hook_refuses_a_stale_one():
-    from accel_fp8_fix.fixes.fp8_weight_record import WeightRecord
+    from accel_fp8_fix.fixes.all_gather.fp8_weight_record import WeightRecord
 
     param, shard = torch.zeros(4, 2), torch.zeros(4, 2)
     fake = _fake_fsdp_param(4, 2, 1, shard=shard, param=param)
@@ -224,7 +224,7 @@ def test_the_record_sees_every_way_a_shard_changes_and_the_hook_refuses_a_stale_
 
 
 def test_the_scales_are_one_packed_reduction_into_buffers_allocated_once():
-    from accel_fp8_fix.fixes.fp8_weight_record import WeightRecord, WeightScales
+    from accel_fp8_fix.fixes.all_gather.fp8_weight_record import WeightRecord, WeightScales
     from accel_fp8_fix.rehearsal import te_on_cpu
 
     te_on_cpu.install()
@@ -260,7 +260,7 @@ def test_packed_experts_get_a_scale_per_expert_in_the_same_packed_reduction(monk
     """A packed-experts weight [E, out, in] takes E slots of the packed amax vector: this rank's shard (whole
     experts, FSDP2's dim-0 chunk at ``shard rank x padded rows``) fills its experts' slots, the others stay 0 for
     the MAX all-reduce to fill from the ranks that hold them."""
-    from accel_fp8_fix.fixes.fp8_weight_record import WeightRecord, WeightScales
+    from accel_fp8_fix.fixes.all_gather.fp8_weight_record import WeightRecord, WeightScales
     from accel_fp8_fix.rehearsal import te_on_cpu
 
     te_on_cpu.install()
@@ -290,7 +290,7 @@ def test_packed_experts_get_a_scale_per_expert_in_the_same_packed_reduction(monk
 
 
 def _fp8_experts(transposed=False):
-    from accel_fp8_fix.fixes.fp8_experts_gather import Fp8Experts
+    from accel_fp8_fix.fixes.all_gather.fp8_experts_gather import Fp8Experts
     from accel_fp8_fix.internals import transformer_engine as te_internals
     from accel_fp8_fix.rehearsal import te_on_cpu
 
@@ -338,7 +338,7 @@ def test_each_expert_reaches_te_as_a_float8_tensor_and_gradients_stack_back(tran
 def test_experts_stay_in_the_policy_dtype_where_not_served_named():
     from types import SimpleNamespace
 
-    from accel_fp8_fix.fixes.fp8_experts_gather import why_kept
+    from accel_fp8_fix.fixes.all_gather.fp8_experts_gather import why_kept
 
     ep = SimpleNamespace(_is_expert_parallel=True)
     assert "under expert parallelism or TP" in why_kept(ep, None, "block")  # per-tensor recipes serve them

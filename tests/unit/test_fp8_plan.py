@@ -15,7 +15,7 @@ from accel_fp8_fix.rehearsal import te_on_cpu
 
 te_on_cpu.install()  # TE's real Python (its recipe classes) over the CPU kernel shim
 
-from accel_fp8_fix.fixes import fp8_all_gather  # noqa: E402
+from accel_fp8_fix.fixes.all_gather import fp8_all_gather  # noqa: E402
 from accel_fp8_fix.fixes.convert import fp8_plan  # noqa: E402
 from accel_fp8_fix.fixes.start import fp8_all_gather_policy, handler_choices  # noqa: E402
 from accel_fp8_fix.fixes import prepare as prepare_fix  # noqa: E402

@@ -296,7 +296,7 @@ def _routing(top_k_index, num_experts: int, align: int | None, expert_parallel: 
 def _expert_weights(weight, transposed: bool):
     """The experts' weights as TE takes them, one ``[out, in]`` tensor per expert: views of ``[E, out, in]``;
     ``[E, in, out]`` transposed contiguous (TE reads storage, not strides); under the FP8 all-gather
-    (fixes/fp8_experts_gather.py) one ``Float8Tensor`` per expert built from the gathered bytes."""
+    (fixes/all_gather/fp8_experts_gather.py) one ``Float8Tensor`` per expert built from the gathered bytes."""
     from_gathered = getattr(weight, "expert_weights", None)
     if from_gathered is not None:
         return from_gathered(transposed)

@@ -1,4 +1,4 @@
-"""When the FP8 all-gather (fixes/fp8_all_gather.py) is asked for, and whether it can run — torch-free, so that
+"""When the FP8 all-gather (fixes/all_gather/fp8_all_gather.py) is asked for, and whether it can run — torch-free, so that
 ``accel-fp8-fix doctor --launch`` and ``te_recipe_kwargs`` refuse what ``prepare`` would refuse, with the same words.
 """
 

@@ -15,7 +15,7 @@ the local shard is an *alias* of the same storage whose class adds the two hooks
 Scales: per-tensor current scaling of each whole weight. The local amaxes of every converted weight are packed
 into one vector and MAX-reduced on the mesh's amax group in **one** all-reduce per weight update, issued ONCE PER
 STEP OUTSIDE FSDP2's hooks — in a forward pre-hook of the prepared model that runs before FSDP2's root pre-forward
-(before any unshard) — through the package's collectives (fixes/fp8_weight_record.py: the record of the converted
+(before any unshard) — through the package's collectives (fixes/all_gather/fp8_weight_record.py: the record of the converted
 weights and their shards' stamps, which every optimizer step, load and shard replacement moves). Each rank then
 quantizes its shard with the scale of the whole weight (under FSDP2 x TP: the same on every rank of a TP group);
 the hooks only read buffers allocated once. The scale follows TE's ``compute_scale_from_amax`` (epsilon and
@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._log import say
-from ..internals import torch_fsdp2
-from ..internals import transformer_engine as te_internals
+from ..._log import say
+from ...internals import torch_fsdp2
+from ...internals import transformer_engine as te_internals
 from . import fp8_experts_gather
-from .start.fp8_all_gather_policy import Fp8AllGatherError, refusal, requested  # noqa: F401 (re-exported)
+from ..start.fp8_all_gather_policy import Fp8AllGatherError, refusal, requested  # noqa: F401 (re-exported)
 from .fp8_weight_record import FLT_MAX, WeightRecord, WeightScales, scale_params, scales_from_amaxes  # noqa: F401
 from .fp8_weight_record import ScaleParams as _ScaleParams  # noqa: F401 (the name the unit tests use)
 

@@ -1,5 +1,5 @@
 """The record of the converted weights whose FP8 copy is made from their FSDP2 shards, and the per-tensor weight
-scales computed from it ONCE PER STEP, outside FSDP2's all-gather extension hooks (fixes/fp8_all_gather.py).
+scales computed from it ONCE PER STEP, outside FSDP2's all-gather extension hooks (fixes/all_gather/fp8_all_gather.py).
 
 FSDP2 calls ``fsdp_pre_all_gather`` on its all-gather copy-in stream, during an unshard, and gathers on its own
 communicator: a collective issued there runs on the wrong stream and interleaves with FSDP2's (NCCL: a hang or a
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import collectives
-from ..internals import torch_fsdp2, torch_internals
-from ..internals import transformer_engine as te_internals
-from .start.fp8_all_gather_policy import Fp8AllGatherError
+from ...distributed import collectives
+from ...internals import torch_fsdp2, torch_internals
+from ...internals import transformer_engine as te_internals
+from ..start.fp8_all_gather_policy import Fp8AllGatherError
 
 AMAX_NAME = "FP8 all-gather: packed weight amaxes"
 FLT_MAX = 3.4028234663852886e38

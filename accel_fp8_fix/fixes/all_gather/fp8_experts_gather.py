@@ -1,4 +1,4 @@
-"""Packed MoE experts all-gathered in FP8 under FSDP2 (``all_gather: fp8``; the switch of fixes/fp8_all_gather.py).
+"""Packed MoE experts all-gathered in FP8 under FSDP2 (``all_gather: fp8``; the switch of fixes/all_gather/fp8_all_gather.py).
 
 An experts module converted by fixes/convert/moe_experts.py keeps transformers' 3-D parameters (``gate_up_proj``,
 ``down_proj``: ``[E, out, in]``, GPT-OSS ``[E, in, out]``), which FSDP2 shards on dim 0 — each shard holds whole
@@ -10,7 +10,7 @@ GPT-OSS's ``[in, out]`` bytes transposed contiguous — exact: one scale per exp
 expert's weight gradient flows back, stacked, to the 3-D parameter FSDP2 reduce-scatters.
 
 Scales: the per-expert amaxes ride in the switch's ONE packed weight-amax all-reduce per weight update
-(fixes/fp8_weight_record.py ``WeightScales``, a slot per expert; a rank's experts it does not hold count 0), issued
+(fixes/all_gather/fp8_weight_record.py ``WeightScales``, a slot per expert; a rank's experts it does not hold count 0), issued
 outside FSDP2's hooks, before the step's first unshard. Masters, optimizer state and checkpoints stay in the master
 dtype (the shard is the same alias class as a Linear's, pickling as a plain tensor).
 
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..internals import torch_fsdp2
-from ..internals import transformer_engine as te_internals
-from .convert import moe_experts
+from ...internals import torch_fsdp2
+from ...internals import transformer_engine as te_internals
+from ..convert import moe_experts
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -142,7 +142,7 @@ class _PerExpertFloat8(torch.autograd.Function):
 @dataclass
 class ExpertsPerTensorGather:
     """One packed-experts weight under per-tensor recipes: each local expert quantized with its own scale (from
-    :class:`~accel_fp8_fix.fixes.fp8_weight_record.WeightScales`, computed before the step's first unshard), the
+    :class:`~accel_fp8_fix.fixes.all_gather.fp8_weight_record.WeightScales`, computed before the step's first unshard), the
     bytes gathered, the E scales in the metadata (every rank has all of them after the packed all-reduce)."""
     scales: object  # WeightScales
     index: int  # in ``scales``
