@@ -22,13 +22,13 @@ from ..engine.engine import calling_patch_set
 from ..internals import transformers_features
 from ..internals.transformer_engine import FP8_STATE_ATTRS, gemms_per_forward, init_fp8_metadata
 from .activation_checkpointing import route_checkpointing_through_te
-from .checkpoint import keep_fp8_state_in_checkpoints
+from .checkpoint.checkpoint import keep_fp8_state_in_checkpoints
 from .all_gather import fp8_all_gather
 from .convert.fp8_autocast import te_autocast, wrap_forward
 from .convert.fp8_plan import Fp8Plan, plan_fp8
 from .convert.fp8_state import amax_group_of, broadcast_fp8_state, register_tensor_state
 from .convert.fp8_shapes import weight_multiple
-from .fp8_state_loading import install_safe_loading
+from .checkpoint.fp8_state_loading import install_safe_loading
 from .convert import run_state
 from .convert.presharded import check_mesh_matches
 from .convert.te_convert import ConversionReport, convert_after_sharding

@@ -193,7 +193,7 @@ def fsdp_buffers_extra_state(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from accel_fp8_fix.fixes.load_full_state_dict import LoadFullStateDictError
+    from accel_fp8_fix.fixes.checkpoint.load_full_state_dict import LoadFullStateDictError
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     ref = _reference()

@@ -107,7 +107,7 @@ def test_stock_te_refuses_its_own_delayed_scaling_state_and_the_safe_loader_read
     from transformer_engine.common.recipe import DelayedScaling, Format
 
     from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.fp8_state_loading import install_safe_loading
+    from accel_fp8_fix.fixes.checkpoint.fp8_state_loading import install_safe_loading
 
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=8)
     trained = te.Linear(64, 64).cuda()

@@ -191,7 +191,7 @@ def _with_te(rank, world_size):
     from transformer_engine.common.recipe import DelayedScaling, Format
 
     from accel_fp8_fix.fixes.convert.fp8_shapes import install_token_check
-    from accel_fp8_fix.fixes.fp8_state_loading import NonConformingExtraState, install_safe_loading
+    from accel_fp8_fix.fixes.checkpoint.fp8_state_loading import NonConformingExtraState, install_safe_loading
 
     out = {"unsafe_env": os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE")}
     torch.manual_seed(0)

@@ -67,7 +67,7 @@ def full_tensor(tensor):
     """The whole tensor of a DTensor (a plain tensor as it is). torch < 2.12 cannot redistribute a TP-packed
     DTensor (``_StridedShard`` on a 1-D TP mesh: "use_strided_shard_as_shard_order ... unable to be interpreted"):
     there every rank's local tensor is gathered and placed by the boxes the package describes it with to DCP
-    (fixes/packed_checkpoint.py ``local_boxes``) — so the comparison checks those boxes too."""
+    (fixes/checkpoint/packed_checkpoint.py ``local_boxes``) — so the comparison checks those boxes too."""
     if type(tensor).__name__ != "DTensor":
         return tensor
     try:
@@ -78,7 +78,7 @@ def full_tensor(tensor):
     import torch
     import torch.distributed as dist
 
-    from accel_fp8_fix.fixes.packed_checkpoint import local_boxes
+    from accel_fp8_fix.fixes.checkpoint.packed_checkpoint import local_boxes
 
     boxes = local_boxes(tensor)
     if boxes is None:

@@ -136,7 +136,7 @@ def _extra_state_after_eval(rank, world_size):
     import transformer_engine.common.recipe as te_recipe
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.checkpoint import keep_fp8_state_in_checkpoints
+    from accel_fp8_fix.fixes.checkpoint.checkpoint import keep_fp8_state_in_checkpoints
 
     out = {}
     for keep in (False, True):

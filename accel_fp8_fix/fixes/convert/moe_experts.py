@@ -7,7 +7,7 @@ experts module gets a forward that
 
 - keeps the user's Parameters exactly (names, shapes, dtype, FSDP2 / HSDP / TP sharding, DCP): state_dict keys
   and checkpoints are plain transformers' plus the FP8 ``_extra_state`` of two parameter-less TE modules
-  (``te_gate_up``, ``te_down``), left out of exports like every TE module's (fixes/checkpoint.py);
+  (``te_gate_up``, ``te_down``), left out of exports like every TE module's (fixes/checkpoint/checkpoint.py);
 - sorts the (token, expert) pairs by expert (within an expert: by top-k slot, then token — transformers' order),
   counts the rows per expert (``m_splits``, zeros allowed) and, under FP8, pads each expert's rows to the FP8 row
   multiple (TE's ``get_align_size_for_quantization``: 16, 32 for MXFP8, 128 for NVFP4) with zero rows, unpadded

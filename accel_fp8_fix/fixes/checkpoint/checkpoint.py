@@ -10,10 +10,10 @@ import os
 
 import torch
 
-from ..internals.accelerate_internals import prepared_models
-from ..internals.transformer_engine import keep_fp8_checkpoint
+from ...internals.accelerate_internals import prepared_models
+from ...internals.transformer_engine import keep_fp8_checkpoint
 from . import ep_checkpoint, packed_checkpoint, tp_checkpoint
-from .convert.fp8_state import broadcast_fp8_state, reduce_pending_amax
+from ..convert.fp8_state import broadcast_fp8_state, reduce_pending_amax
 
 
 def _fp8_setup(accelerator):

@@ -23,9 +23,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 
-from ..distributed.dtensor import is_dtensor
-from ..internals.accelerate_internals import prepared_models, prepared_optimizers
-from ..internals.torch_internals import is_strided_shard, placement_on_dim, sharded_dim, with_local_chunks
+from ...distributed.dtensor import is_dtensor
+from ...internals.accelerate_internals import prepared_models, prepared_optimizers
+from ...internals.torch_internals import is_strided_shard, placement_on_dim, sharded_dim, with_local_chunks
 
 
 def _global_indices(dtensor, dim: int) -> list[int]:

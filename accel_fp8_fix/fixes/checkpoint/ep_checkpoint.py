@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 
-from ..distributed.dtensor import is_dtensor
-from ..internals.accelerate_internals import prepared_models
-from ..internals.transformer_engine import delayed_scaling_tensors
-from .convert.fp8_state import AMAX_GROUP_ATTR
-from .convert.moe_experts import EP_DIM, RUNNERS, is_converted
+from ...distributed.dtensor import is_dtensor
+from ...internals.accelerate_internals import prepared_models
+from ...internals.transformer_engine import delayed_scaling_tensors
+from ..convert.fp8_state import AMAX_GROUP_ATTR
+from ..convert.moe_experts import EP_DIM, RUNNERS, is_converted
 
 # {prefix}_accel_fp8_fix_ep_fp8_{runner}_{fwd|bwd}_{amax_history|scale}: an attribute of the experts module while
 # the context is open (torch's distributed state_dict resolves every key to an attribute)

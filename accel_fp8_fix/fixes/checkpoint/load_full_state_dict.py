@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import collectives as C
-from ..distributed.dtensor import is_dtensor
+from ...distributed import collectives as C
+from ...distributed.dtensor import is_dtensor
 
 EXTRA_STATE_SUFFIX = "_extra_state"  # torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 SRC = 0  # accelerate's main process (is_main_process) is global rank 0

@@ -24,8 +24,8 @@ import contextvars
 import inspect
 import os
 
-from ..distributed.dtensor import is_dtensor
-from ..internals.accelerate_internals import prepared_models, prepared_optimizers
+from ...distributed.dtensor import is_dtensor
+from ...internals.accelerate_internals import prepared_models, prepared_optimizers
 
 MODEL_NAME = "pytorch_model_fsdp"  # accelerate's FSDP_MODEL_NAME: the FSDP2 sharded path's directory names
 OPTIMIZER_NAME = "optimizer"  # accelerate's OPTIMIZER_NAME
@@ -158,7 +158,7 @@ def _problems(ckpt_dir: str, wanted: dict) -> list[str]:
 
 def _same_kind_of_fp8_state(key: str, saved: tuple, here: tuple) -> bool:
     """A TE ``_extra_state`` is a pickle: its byte count is no layout property (a recompute adds an entry, other
-    processes pickle other lengths) and the load resizes it to the checkpoint's (fixes/checkpoint.py:
+    processes pickle other lengths) and the load resizes it to the checkpoint's (fixes/checkpoint/checkpoint.py:
     ``extra_state_sized_as``). FP8 state on one side and none on the other still differ (bf16 into FP8)."""
     return key.endswith("._extra_state") and len(saved) == len(here) == 1 and (saved[0] > 0) == (here[0] > 0)
 
@@ -181,7 +181,7 @@ def _refuse_on_every_rank(accelerator, input_dir: str, pairs, only_if_present: b
     metadata) on any rank raises on every rank, naming the rank — never one rank leaving while the others wait in
     DCP's collectives. ``only_if_present``: a rank that does not see model 0's sharded checkpoint has nothing to
     refuse (every rank still takes part in the agreement)."""
-    from ..distributed import collectives
+    from ...distributed import collectives
 
     try:
         if not only_if_present or os.path.isdir(_dirs(input_dir, 0)[0]):

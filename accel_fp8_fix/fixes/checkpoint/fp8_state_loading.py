@@ -21,8 +21,8 @@ from types import MethodType
 
 import torch
 
-from ..internals import transformer_engine as te_internals
-from ..internals.torch_internals import pickled_tensor_globals
+from ...internals import transformer_engine as te_internals
+from ...internals.torch_internals import pickled_tensor_globals
 
 _RECIPE_MODULE = "transformer_engine.common.recipe"
 _TENSOR_KEYS = {"scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd", "scale_inv_fwd", "scale_inv_bwd"}
