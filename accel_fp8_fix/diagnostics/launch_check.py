@@ -224,11 +224,11 @@ def _layout_checks(cfg: dict) -> list[Check]:
 
 
 def _cp_check(cfg: dict, environ: dict):
-    """With ``parallelism_config_cp_size > 1``: the sequence multiple every CP step needs (A23, fixes/context_parallel.py)
+    """With ``parallelism_config_cp_size > 1``: the sequence multiple every CP step needs (A23, fixes/step/context_parallel.py)
     for the configured recipe — what the config says; the lengths themselves are checked at each step. None without
     CP."""
     from ..fixes.start import recipes
-    from ..fixes.context_parallel import pad_multiple, token_multiple_of
+    from ..fixes.step.context_parallel import pad_multiple, token_multiple_of
 
     cp = _int((cfg.get("parallelism_config") or {}).get("parallelism_config_cp_size"))
     if cp <= 1:

@@ -21,7 +21,7 @@ from ..distributed.dtensor import is_dtensor
 from ..engine.engine import calling_patch_set
 from ..internals import transformers_features
 from ..internals.transformer_engine import FP8_STATE_ATTRS, gemms_per_forward, init_fp8_metadata
-from .activation_checkpointing import route_checkpointing_through_te
+from .step.activation_checkpointing import route_checkpointing_through_te
 from .checkpoint.checkpoint import keep_fp8_state_in_checkpoints
 from .all_gather import fp8_all_gather
 from .convert.fp8_autocast import te_autocast, wrap_forward

@@ -8,7 +8,7 @@
 - DTensor's op dispatcher (``DTensor._op_dispatcher.unwrap_to_op_info`` / ``.wrap``), ``DTensorSpec`` /
   ``TensorMeta`` and ``_utils.compute_global_tensor_info``: a handler's way from DTensors to local tensors and back;
 - ``_replaced_functions`` (the SDPA that ``context_parallel`` swapped in), ``existing_custom_ops`` (DTensor's handlers
-  before CP) and ``_disable_context_parallel_dispatcher_impl``: how ``fixes/context_parallel.py`` tells that a CP
+  before CP) and ``_disable_context_parallel_dispatcher_impl``: how ``fixes/step/context_parallel.py`` tells that a CP
   context torch < 2.13 left on an exception is still dispatching, and turns it off.
 
 The same texts in torch 2.11.0 to 2.15.0 (read from each release's wheel, 2026-12-04).

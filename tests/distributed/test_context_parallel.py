@@ -4,7 +4,7 @@ gloo ranks. Before it, the first SDPA inside the context failed: "Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered".
 CP attention must equal the same attention unsharded, forward and backward. With FP8 through the package (FSDP2
 dp_shard 2 x cp 2, 4 ranks), CP's shape rules are refused by name when accelerate's ``maybe_context_parallel`` is
-entered (A23, ``fixes/context_parallel.py``)."""
+entered (A23, ``fixes/step/context_parallel.py``)."""
 
 import pytest
 
@@ -71,7 +71,7 @@ def test_an_exception_inside_the_cp_context_leaves_sdpa_as_it_was(two, four_fp8_
     """torch 2.11 / 2.12's ``context_parallel`` turns CP's dispatch off after its ``yield``, with no ``finally``: an
     exception in a step (an OOM a script retries) left the ring's SDPA wrapper on for every later attention, CP or
     not. Stock (the 2-rank launch, rehearsal only) shows it there; with the package it is off on every torch."""
-    from accel_fp8_fix.fixes.context_parallel import context_exits_on_error
+    from accel_fp8_fix.fixes.step.context_parallel import context_exits_on_error
 
     stock = scenarios.plan_facts(two, PLAN, "sc_cp_exception_exits_the_dispatch")
     fixed = scenarios.plan_facts(four_fp8_results, FP8_PLAN, "sc_cp_exception_exits_the_dispatch")

@@ -129,7 +129,7 @@ def sc_fsdp2_cp_fp8_shapes(rank, world_size, cases=((2, 64), (2, 31), (1, 36), (
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
-    from accel_fp8_fix.fixes.context_parallel import balancer_follows_length
+    from accel_fp8_fix.fixes.step.context_parallel import balancer_follows_length
 
     facts = {"mesh": scenarios.mesh_facts(acc.torch_device_mesh), "fp8_enabled": acc.accel_fp8_fix.fp8_enabled,
              "balancer_follows_length": balancer_follows_length(),

@@ -505,7 +505,7 @@ def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentr
     import accel_fp8_fix.fixes.prepare as prepare_fix
 
     scenarios.ensure_rehearsal(True)
-    from accel_fp8_fix.fixes.activation_checkpointing import route_checkpointing_through_te
+    from accel_fp8_fix.fixes.step.activation_checkpointing import route_checkpointing_through_te
 
     if not fix:
         prepare_fix.route_checkpointing_through_te = lambda model: ([], [])

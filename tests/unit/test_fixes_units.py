@@ -174,11 +174,11 @@ def test_fp8_shape_rule_is_checked_on_the_tp_local_shard():
     assert local_dims(64, 64, "row", 8) == (8, 64) and not local_dims_fit(8, 64)
 
 
-# -- A23: context parallelism's shape rules (fixes/context_parallel.py) ----------------------------------------
+# -- A23: context parallelism's shape rules (fixes/step/context_parallel.py) ----------------------------------------
 def test_cp_pad_multiple_keeps_shards_even_the_balancer_on_and_the_fp8_rule_for_any_batch():
-    from accel_fp8_fix.fixes.context_parallel import check_buffers, pad_multiple
+    from accel_fp8_fix.fixes.step.context_parallel import check_buffers, pad_multiple
 
-    from accel_fp8_fix.fixes.context_parallel import token_multiple_of
+    from accel_fp8_fix.fixes.step.context_parallel import token_multiple_of
 
     assert [token_multiple_of(c) for c in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
                                            "NVFP4BlockScaling", "MXFP8BlockScaling")] == [16, 16, 16, 16, 32]
@@ -191,7 +191,7 @@ def test_cp_pad_multiple_keeps_shards_even_the_balancer_on_and_the_fp8_rule_for_
 
 
 def test_cp_shape_rules_name_the_buffer_its_shape_cp_size_and_the_pad_multiple():
-    from accel_fp8_fix.fixes.context_parallel import check_buffers
+    from accel_fp8_fix.fixes.step.context_parallel import check_buffers
 
     ids, labels = torch.zeros(2, 30, dtype=torch.long), torch.zeros(2, 30, dtype=torch.long)
     (uneven,) = check_buffers([ids, labels[:, :28]], [1, 1], 4, None)[:1]
@@ -212,7 +212,7 @@ def test_cp_shape_rules_name_the_buffer_its_shape_cp_size_and_the_pad_multiple()
 
 
 def test_cp_wrapper_checks_only_with_cp_on_and_warns_when_the_balancer_would_be_off(monkeypatch):
-    from accel_fp8_fix.fixes import context_parallel
+    from accel_fp8_fix.fixes.step import context_parallel
 
     calls, warned = [], []
     monkeypatch.setattr(context_parallel, "warn_user", warned.append)

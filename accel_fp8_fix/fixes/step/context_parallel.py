@@ -36,9 +36,9 @@ from __future__ import annotations
 import contextlib
 import math
 
-from .._log import warn_user
+from ..._log import warn_user
 
-from .convert.fp8_shapes import WGRAD_TOKENS_MULTIPLE
+from ..convert.fp8_shapes import WGRAD_TOKENS_MULTIPLE
 
 
 def pad_multiple(cp_size: int, token_multiple: int) -> int:
@@ -54,7 +54,7 @@ def training_token_multiple(recipe_tokens: int) -> int:
 
 def token_multiple_of(recipe_class: str) -> int:
     """The training token multiple for the TE recipe class named ``recipe_class``."""
-    from .convert import fp8_shapes
+    from ..convert import fp8_shapes
 
     recipe_tokens = {"MXFP8BlockScaling": fp8_shapes.MXFP8_MULTIPLE, "NVFP4BlockScaling": fp8_shapes.NVFP4_MULTIPLE,
                      "Float8BlockScaling": fp8_shapes.BLOCK_TOKENS_MULTIPLE}.get(recipe_class,
@@ -64,7 +64,7 @@ def token_multiple_of(recipe_class: str) -> int:
 
 def _token_multiple(accelerator) -> int | None:
     """The training token multiple of this accelerator's recipe, or None when this package did not turn FP8 on."""
-    from .convert.fp8_shapes import recipe_multiples
+    from ..convert.fp8_shapes import recipe_multiples
 
     setup = getattr(accelerator, "accel_fp8_fix", None)
     if setup is None or not getattr(setup, "fp8_enabled", False):
@@ -137,7 +137,7 @@ def maybe_context_parallel(wrapped, instance, args, kwargs):
 def _dispatch_off_on_error(context):
     """``context`` (accelerate's CP context); when an exception leaves it, CP's dispatch turned off if torch left it
     on — the ``finally`` torch < 2.13's ``context_parallel`` lacks."""
-    from ..internals import torch_context_parallel
+    from ...internals import torch_context_parallel
 
     try:
         with context:

@@ -16,7 +16,7 @@ torch versions without the problem; no version number is consulted.
 
 from __future__ import annotations
 
-from ..distributed.dtensor import is_dtensor
+from ...distributed.dtensor import is_dtensor
 
 
 def replicated_norm(norm):

@@ -27,7 +27,7 @@ _TORCH_ONLY_KWARGS = ("preserve_rng_state",)  # TE always restores the RNG state
 
 
 def _te_checkpoint(function, *args, use_reentrant=True, **kwargs):
-    from ..internals.transformer_engine import fp8_checkpoint
+    from ...internals.transformer_engine import fp8_checkpoint
 
     for key in _TORCH_ONLY_KWARGS:
         kwargs.pop(key, None)
@@ -49,7 +49,7 @@ def route_checkpointing_through_te(model) -> tuple[list, list]:
 
     Returns (routed module names, module names left alone because their checkpoint function is custom).
     """
-    from ..internals.torch_internals import checkpoint_wrapper_type
+    from ...internals.torch_internals import checkpoint_wrapper_type
 
     CheckpointWrapper = checkpoint_wrapper_type()
     routed, custom = [], []
