@@ -71,7 +71,8 @@ def test_the_readme_support_table_is_the_declared_windows():
 
 
 # -- module maps ------------------------------------------------------------------------------------------------
-MAPPED = ("fixes", "diagnostics", "distributed", "engine", "internals", "rehearsal", "rehearsal/te_on_cpu")
+MAPPED = ("fixes", "fixes/start", "fixes/convert", "fixes/all_gather", "fixes/checkpoint", "fixes/step", "diagnostics",
+          "distributed", "engine", "internals", "rehearsal", "rehearsal/te_on_cpu")
 
 
 def _modules(folder: str) -> list[str]:

@@ -1,12 +1,13 @@
 """The house rules a reader relies on, checked on the source (docs/architecture.md, CONTRIBUTING.md):
 
-* a fix is one file in ``fixes/`` plus its lines in ``patches/*.toml``: every wrapper a fix set declares is a
-  function of ``accel_fp8_fix.fixes``; cross-cutting hooks (``on_error``, ``on_return``) are declared, not
+* a fix is one file in a room of ``fixes/`` plus its lines in ``patches/*.toml``: every wrapper a fix set declares is
+  a function of ``accel_fp8_fix.fixes``; cross-cutting hooks (``on_error``, ``on_return``) are declared, not
   imported by the fixes;
 * no import cycle: the module graph of every import statement (those inside functions too) has no circle;
 * the arrows run one way, down the layer order of docs/architecture.md (``LAYERS``): a module imports only from
   its own layer or below — so ``settings`` imports nothing from the package but ``caches``, ``internals/`` nothing from
-  ``engine/``, ``fixes/`` never ``diagnostics/`` or the public API (``_api``);
+  ``engine/``, ``fixes/`` never ``diagnostics/`` or the public API (``_api``); inside ``fixes/`` the rooms
+  (``ROOMS``) one way too: ``start`` <- ``convert`` <- ``all_gather`` / ``checkpoint`` / ``step`` <- the spine;
 * collectives go through the family, ``distributed/``: no direct ``torch.distributed`` collective call elsewhere
   (the rehearsal's stand-ins for TE's C++ all-reduce and the test bed's own barrier are outside the rule);
 * Transformer Engine's private names are used only in ``internals/`` (and by the rehearsal, which stands in
@@ -43,6 +44,16 @@ LAYERS = (
     ("__init__",),
     ("_bootstrap",),
 )
+# The rooms of fixes/ (docs/architecture.md), by the moment of a run, bottom first: a fix imports only from its own
+# room or an earlier row; the rooms of one row do not import each other. The spine (fixes/prepare.py, and
+# fixes/trainer.py, which defers prepare_model to it) runs every room's piece, so it sits above them all.
+ROOMS = (
+    ("start",),  # settled before any model: Accelerator(), process start and exit
+    ("convert",),  # what prepare does to the sharded model
+    ("all_gather", "checkpoint", "step"),  # the FP8 all-gather, save / load, during a step
+    ("spine",),  # SPINE: the modules at fixes/'s top
+)
+SPINE = ("prepare", "trainer")
 # The family (distributed/collectives.py) names its group and refuses a DTensor; these go around it.
 COLLECTIVE_CALLS = frozenset({
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
@@ -165,6 +176,44 @@ def test_imports_follow_the_layer_order():
                 wrong += [(f, line, f"imports {target}: layer {'/'.join(LAYERS[_layer_of(target)])} is above "
                            f"{'/'.join(LAYERS[mine])}") for f, line in where]
     assert not wrong, "\n".join(f"{f}:{line} {what}" for f, line, what in sorted(wrong))
+
+
+def _room(module: str) -> str:
+    part = module.split(".")[2]
+    return "spine" if part in SPINE else part
+
+
+def _room_of(module: str) -> int:
+    room = _room(module)
+    for i, row in enumerate(ROOMS):
+        if room in row:
+            return i
+    raise AssertionError(f"{module}: not in a room of test_layout.ROOMS — give it one (and docs/architecture.md)")
+
+
+def test_the_rooms_of_fixes_import_one_way():
+    wrong = []
+    for module, edges in _import_graph().items():
+        if not module.startswith("accel_fp8_fix.fixes."):
+            continue
+        mine, room = _room_of(module), _room(module)
+        for target, where in edges.items():
+            if not target.startswith("accel_fp8_fix.fixes.") or _room(target) == room:
+                continue
+            if _room_of(target) >= mine:
+                wrong += [(f, line, f"imports {target}: room {_room(target)} is not below {room}")
+                          for f, line in where]
+    assert not wrong, "\n".join(f"{f}:{line} {what}" for f, line, what in sorted(wrong))
+
+
+def test_every_room_of_fixes_exists_and_is_written_down():
+    import re
+
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    for room in [room for row in ROOMS for room in row if room != "spine"] + [f"{m}.py" for m in SPINE]:
+        path = PACKAGE / "fixes" / room
+        assert path.is_dir() or path.is_file(), f"test_layout names fixes/{room}: not there"
+        assert re.search(rf"^    {re.escape(room)}/?\s", text, re.M), f"docs/architecture.md's map lacks fixes/{room}"
 
 
 def test_every_layer_of_docs_architecture_exists_and_is_written_down():
@@ -363,7 +412,8 @@ def test_no_package_state_on_foreign_objects_but_markers():
         found |= set(re.findall(r"_(?:self_)?accel_fp8_fix_[a-z0-9_]*[a-z0-9]", path.read_text()))
     found = {name if name.startswith("_self_") else "_" + name.lstrip("_") for name in found}
     new = found - MARKERS - NOT_YET_MOVED
-    assert not new, f"state on foreign objects: keep it in the package's records (fixes/convert/run_state.py): {sorted(new)}"
+    assert not new, f"state on foreign objects: keep it in the package's records (fixes/convert/run_state.py): " \
+                    f"{sorted(new)}"
     moved = NOT_YET_MOVED - found
     assert not moved, f"moved into the package's records: take them off NOT_YET_MOVED: {sorted(moved)}"
 
