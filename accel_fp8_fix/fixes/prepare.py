@@ -18,6 +18,7 @@ from .._log import say, warn_user
 from ..distributed.agreement import check_patch_set_agreement
 from ..distributed.collectives import group_of
 from ..distributed.dtensor import is_dtensor
+from ..distributed.mesh_facts import amax_group_dims
 from ..engine.engine import calling_patch_set
 from ..internals import transformers_features
 from ..internals.transformer_engine import FP8_STATE_ATTRS, gemms_per_forward, init_fp8_metadata
@@ -156,7 +157,7 @@ def amax_group_for(mesh):
         return None, ()
     import torch.distributed as dist
 
-    group = group_of(mesh, tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None)
+    group = group_of(mesh, amax_group_dims(mesh))
     return group, tuple(dist.get_process_group_ranks(group))
 
 

@@ -804,7 +804,7 @@ class _ExpertBitsProbe:
         import torch
         import torch.distributed as dist
 
-        from accel_fp8_fix.fixes.convert.tp_layout import DATA_PARALLEL_DIMS
+        from accel_fp8_fix.distributed.mesh_facts import DATA_PARALLEL_DIMS
         from accel_fp8_fix.internals import torch_internals
 
         if not hasattr(param, "device_mesh"):

@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextlib
 
 from ...distributed.dtensor import is_dtensor
+from ...distributed.mesh_facts import EP_DIM, dim_names
 from ...internals.accelerate_internals import prepared_models
 from ...internals.transformer_engine import delayed_scaling_tensors
 from ..convert.fp8_state import AMAX_GROUP_ATTR
-from ..convert.moe_experts import EP_DIM, RUNNERS, is_converted
+from ..convert.moe_experts import RUNNERS, is_converted
 
 # {prefix}_accel_fp8_fix_ep_fp8_{runner}_{fwd|bwd}_{amax_history|scale}: an attribute of the experts module while
 # the context is open (torch's distributed state_dict resolves every key to an attribute)
@@ -46,7 +47,7 @@ def _as_dtensors(experts, runner) -> dict:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = experts.gate_up_proj.device_mesh
-    names = tuple(mesh.mesh_dim_names or ())
+    names = dim_names(mesh)
     expert_parallel = EP_DIM in names and getattr(experts, AMAX_GROUP_ATTR, None) is not None
     ep_dim = names.index(EP_DIM) if expert_parallel else None
     ep = mesh.size(ep_dim) if expert_parallel else 1

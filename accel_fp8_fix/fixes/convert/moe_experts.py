@@ -50,11 +50,11 @@ import torch
 from torch import nn
 
 from ...distributed.dtensor import is_dtensor
+from ...distributed.mesh_facts import DATA_PARALLEL_DIMS, EP_DIM, TP_DIM, dim_names, is_fsdp_placement
 from ...internals import torch_internals, transformers_ep, transformers_tp
 from ...internals import transformer_engine as te_internals
 from .fp8_shapes import FP8_LAST_MULTIPLE, recipe_multiples
 from .fp8_state import AMAX_GROUP_ATTR
-from .tp_layout import DATA_PARALLEL_DIMS, is_fsdp_placement
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +131,9 @@ def _tp_dims(param):
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
     tp, other = [], []
     for i, (dim, placement) in enumerate(zip(names, param.placements)):
-        data_parallel = dim in DATA_PARALLEL_DIMS or (dim != "tp" and is_fsdp_placement(placement))
+        data_parallel = dim in DATA_PARALLEL_DIMS or (dim != TP_DIM and is_fsdp_placement(placement))
         (other if data_parallel else tp).append((dim, placement, mesh.size(i)))
     return tp, other
-
-
-EP_DIM = "ep"  # transformers' expert mesh: (pp, dp_replicate, efsdp, ep)
 
 
 def _ep_size(module) -> int | None:
@@ -144,7 +141,7 @@ def _ep_size(module) -> int | None:
     param = getattr(module, "gate_up_proj", None)
     if not is_dtensor(param):
         return None
-    names = tuple(param.device_mesh.mesh_dim_names or ())
+    names = dim_names(param.device_mesh)
     return param.device_mesh.size(names.index(EP_DIM)) if EP_DIM in names else None
 
 
@@ -157,7 +154,7 @@ def _ep_layout_reason(module) -> str | None:
             continue
         if not is_dtensor(param):
             return f"{name} is not a DTensor under expert parallelism"
-        names = tuple(param.device_mesh.mesh_dim_names or ())
+        names = dim_names(param.device_mesh)
         if EP_DIM not in names:
             return f"{name} lives on mesh dims {names}, without transformers' {EP_DIM!r} dim"
         for dim, placement in zip(names, param.placements):

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..._log import say
 from ...distributed.dtensor import is_dtensor
-from .tp_layout import FSDP_DIM_NAMES
+from ...distributed.mesh_facts import FSDP_DIM_NAMES, TP_DIM, dim_names
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +49,15 @@ def check_mesh_matches(accelerator, model: nn.Module) -> None:
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is None:
         return
-    want = {"tp": pc.tp_size}
+    want = {TP_DIM: pc.tp_size}
     if is_presharded(model):
         want.update({n: pc.dp_shard_size * pc.cp_size for n in FSDP_DIM_NAMES})
     for name, param in model.named_parameters():
         if not is_dtensor(param):
             continue
         mesh = param.device_mesh
-        names = tuple(mesh.mesh_dim_names or ())
-        sizes = dict(zip(names, mesh.shape)) if names else {"tp": mesh.size()}
+        names = dim_names(mesh)
+        sizes = dict(zip(names, mesh.shape)) if names else {TP_DIM: mesh.size()}
         wrong = {n: (have, want[n]) for n, have in sizes.items() if n in want and have != want[n]}
         if wrong:
             got = ", ".join(f"'{n}' has {have} ranks (ParallelismConfig: {w})" for n, (have, w) in wrong.items())

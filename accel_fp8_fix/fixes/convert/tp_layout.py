@@ -1,6 +1,6 @@
-"""TP / FSDP placement facts the conversion, the MoE experts, the TP fix and the pre-sharded check share: which
-mesh dims are data-parallel, what FSDP2's own placements are, and the TP layout recorded on each Linear /
-LayerNorm before FSDP2 adds its dims (``record_tp_layout``, read back through ``TP_ATTR``).
+"""The TP layout recorded on each Linear / LayerNorm before FSDP2 adds its dims (``record_tp_layout``, read back
+through ``TP_ATTR``) by the conversion, the TP fix and prepare; the mesh facts it reads (data-parallel dims, FSDP2's
+placements) are distributed/mesh_facts.py's.
 """
 
 from __future__ import annotations
@@ -8,20 +8,9 @@ from __future__ import annotations
 from torch import nn
 
 from ...distributed.dtensor import is_dtensor
-from ...internals import torch_internals
-
-FSDP_DIM_NAMES = ("fsdp", "dp_shard", "dp_shard_cp")  # transformers' name, accelerate's names
-DATA_PARALLEL_DIMS = (*FSDP_DIM_NAMES, "dp_replicate", "dp_cp", "dp")  # mesh dims that never carry TP
+from ...distributed.mesh_facts import DATA_PARALLEL_DIMS, TP_DIM, dim_names, is_fsdp_placement
 TP_ATTR = "_accel_fp8_fix_tp"  # (parallel_mode, tp_mesh) recorded before FSDP2 wraps the parameters
 OUTPUT_LAYER_ATTR = "_accel_fp8_fix_output_layer"  # the model's output embedding (lm_head): kept as transformers shards it
-
-
-def is_fsdp_placement(placement) -> bool:
-    """FSDP2's placement: Shard(0), _StridedShard(0) (FSDP2 over TP's Shard(0)) or Replicate (HSDP)."""
-    from torch.distributed.tensor import Replicate
-
-    shard0 = getattr(placement, "dim", None) == 0 and (placement.is_shard() or torch_internals.is_strided_shard(placement))
-    return shard0 or isinstance(placement, Replicate)
 
 
 def tp_placement(name: str, weight) -> tuple:
@@ -29,21 +18,21 @@ def tp_placement(name: str, weight) -> tuple:
     and FSDP2 both applied at load by transformers (``DistributedConfig(tp_size, fsdp_size)``: mesh dims
     ``fsdp`` x ``tp``, the FSDP dim sharding dim 0 or replicating)."""
     placements, mesh = weight.placements, weight.device_mesh
-    names = tuple(mesh.mesh_dim_names or ())
+    names = dim_names(mesh)
     if names and set(names) <= set(DATA_PARALLEL_DIMS) and all(is_fsdp_placement(p) for p in placements):
         return None, None  # FSDP2 only (transformers' TP plan left it whole): no TP layout to record
     if len(placements) == 1:
         return placements[0], mesh  # TP on a 1-D mesh ('tp', or the user's own)
-    if "tp" not in names:
+    if TP_DIM not in names:
         raise ValueError(
             f"accel_fp8_fix: {name}.weight is a DTensor on a {len(placements)}-D mesh {names or ''} before prepare "
             "with no dim named 'tp'; expected TP sharding on a 'tp' dim (plus FSDP's, when transformers sharded both)")
-    tp_dim = names.index("tp")
+    tp_dim = names.index(TP_DIM)
     for dim, placement in enumerate(placements):
         if dim != tp_dim and not is_fsdp_placement(placement):
             raise ValueError(f"accel_fp8_fix: {name}.weight has placement {placement} on mesh dim {names[dim]!r}; "
                              "only FSDP's Shard(0) or Replicate is expected beside 'tp'")
-    return placements[tp_dim], mesh["tp"]
+    return placements[tp_dim], mesh[TP_DIM]
 
 
 def record_tp_layout(model: nn.Module) -> dict:
