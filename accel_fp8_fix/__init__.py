@@ -20,12 +20,13 @@ from ._api import (
 
 __version__ = "0.1.0"
 __all__ = ["activate", "deactivate", "report", "Report", "UnsupportedVersionError", "PatchError", "audit", "te_recipe_kwargs",
-           "__version__"]
+           "newest_complete_checkpoint", "IncompleteCheckpointError", "__version__"]
 
 
 def __getattr__(name):
-    """``audit`` (accel_fp8_fix.diagnostics.audit.audit) and ``te_recipe_kwargs`` (fixes/start/recipe_kwargs.py) load on
-    first use: this import stays free of torch."""
+    """``audit`` (accel_fp8_fix.diagnostics.audit.audit), ``te_recipe_kwargs`` (fixes/start/recipe_kwargs.py) and the
+    checkpoint completeness names (fixes/checkpoint/checkpoint_complete.py) load on first use: this import stays free
+    of torch."""
     if name == "audit":
         from .diagnostics.audit import audit
 
@@ -34,6 +35,10 @@ def __getattr__(name):
         from .fixes.start.recipe_kwargs import te_recipe_kwargs
 
         return te_recipe_kwargs
+    if name in ("newest_complete_checkpoint", "IncompleteCheckpointError"):
+        from .fixes.checkpoint import checkpoint_complete
+
+        return getattr(checkpoint_complete, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -10,9 +10,10 @@ import os
 
 import torch
 
+from ...distributed import collectives
 from ...internals.accelerate_internals import prepared_models
 from ...internals.transformer_engine import keep_fp8_checkpoint
-from . import ep_checkpoint, packed_checkpoint, tp_checkpoint
+from . import checkpoint_complete, ep_checkpoint, packed_checkpoint, tp_checkpoint
 from ..convert.fp8_state import broadcast_fp8_state, reduce_pending_amax
 
 
@@ -47,12 +48,40 @@ def keep_fp8_state_in_checkpoints(module) -> None:
 
 def save_state(wrapped, instance, args, kwargs):
     """``Accelerator.save_state``: the pending (row 0) amax is MAX-reduced on the amax group first; a TP-packed
-    parameter (and its optimizer state) reaches DCP as one chunk per row range a rank holds (A16)."""
+    parameter (and its optimizer state) reaches DCP as one chunk per row range a rank holds (A16). Once every
+    process has written its part, the folder is marked complete (A25)."""
     models = prepared_models(instance)
     _reduce_pending(instance, models)
     with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance), \
             ep_checkpoint.expert_parallel_fp8_state(instance):
-        return wrapped(*args, **kwargs)  # TP without FSDP: models / optimizers through DCP (A21)
+        location = wrapped(*args, **kwargs)  # TP without FSDP: models / optimizers through DCP (A21)
+    if _fp8_setup(instance) is not None and location is not None:
+        _every_process(instance, True, "save_state complete")  # each has written its files
+        if instance.is_main_process:
+            checkpoint_complete.write_marker(str(location), instance.num_processes)
+    return location
+
+
+def _every_process(accelerator, value, name: str) -> list:
+    import torch.distributed as dist
+
+    if accelerator.num_processes == 1 or not dist.is_initialized():
+        return [value]
+    return collectives.all_gather_object(value, group=dist.group.WORLD, name=name)
+
+
+def _refuse_incomplete(accelerator, input_dir) -> None:
+    """A25: a folder a ``save_state`` did not finish is refused by name before anything is read, decided by all
+    processes together (one that refused alone would leave the others waiting in the load's first collective)."""
+    if _fp8_setup(accelerator) is None:
+        return
+    folder = checkpoint_complete.load_dir(accelerator, input_dir)
+    if folder is None or not os.path.isdir(folder):
+        return  # accelerate's own error
+    found = _every_process(accelerator, checkpoint_complete.missing_parts(folder, accelerator.num_processes),
+                           "load_state completeness")
+    missing = sorted({part for parts in found for part in parts})
+    checkpoint_complete.refuse(folder, missing, accelerator.num_processes)
 
 
 def get_state_dict(wrapped, instance, args, kwargs):
@@ -121,10 +150,11 @@ def extra_state_sized_as(accelerator, input_dir):
 
 
 def load_state(wrapped, instance, args, kwargs):
-    """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group). A sharded
-    checkpoint DCP cannot load into the prepared models is refused by name first (A21); TP-packed parameters are
-    read chunk by chunk into their row ranges (A16)."""
+    """``Accelerator.load_state``: after loading, every rank holds rank 0's FP8 state (explicit group). A checkpoint
+    a ``save_state`` did not finish (A25) and a sharded checkpoint DCP cannot load into the prepared models (A21)
+    are refused by name first; TP-packed parameters are read chunk by chunk into their row ranges (A16)."""
     input_dir = args[0] if args else kwargs.get("input_dir")
+    _refuse_incomplete(instance, input_dir)
     with ep_checkpoint.expert_parallel_fp8_state(instance):  # the keys the check compares are the ones DCP reads
         tp_checkpoint.check_sharded_load(instance, input_dir)
         with tp_checkpoint.sharded_checkpoint(instance), packed_checkpoint.described_packed_parameters(instance), \
