@@ -134,7 +134,9 @@ def load_sharded(model: str, seed: int, layout: dict, accelerator):
     if accelerator.is_main_process:
         fresh.save_pretrained(path[0])
     accelerator.wait_for_everyone()
+    # accelerate's mixed precision reaches an FSDP2 model only through fully_shard's policy: here transformers'
     config = DistributedConfig(fsdp_size=layout["dp_shard"], tp_size=layout.get("tp", 1),
+                               fsdp_mixed_precision=accelerator.mixed_precision != "no",
                                **({"ep_size": layout["ep"]} if "ep" in layout else {}))
     loaded = type(fresh).from_pretrained(path[0], distributed_config=config, dtype=fresh.dtype)
     accelerator.wait_for_everyone()

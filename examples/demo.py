@@ -54,7 +54,9 @@ def load_model(path, accelerator):
     from transformers import DistributedConfig
 
     pc = accelerator.parallelism_config
-    config = DistributedConfig(tp_size=pc.tp_size, fsdp_size=pc.dp_shard_size)
+    # fsdp_mixed_precision: accelerate's mixed precision reaches an FSDP2 model only through fully_shard's policy,
+    # here transformers' (bf16 parameters, fp32 gradient reduction); without it, all but TE's FP8 GEMMs run in fp32
+    config = DistributedConfig(tp_size=pc.tp_size, fsdp_size=pc.dp_shard_size, fsdp_mixed_precision=True)
     model = LlamaForCausalLM.from_pretrained(path, distributed_config=config)
     return model.train()  # from_pretrained returns eval mode, where TE autocast (FP8) is off
 

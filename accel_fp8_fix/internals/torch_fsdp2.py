@@ -104,6 +104,15 @@ def fsdp_params(model) -> list:
     return params
 
 
+def param_dtypes(model) -> set:
+    """The ``MixedPrecisionPolicy.param_dtype`` of every FSDP2 unit inside ``model`` (``None``: no cast, the
+    parameters' own dtype)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {module._get_fsdp_state()._mp_policy.param_dtype for module in model.modules()
+            if isinstance(module, FSDPModule)}
+
+
 def retarget(fsdp_params_, old, new) -> None:
     """FSDP2 re-registers (un)sharded params with setattr on the recorded module: record ``new`` instead."""
     for fsdp_param in fsdp_params_:

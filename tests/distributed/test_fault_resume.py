@@ -44,6 +44,7 @@ def _launch(layout: str, project: Path, restarts: int = 0, kills=()) -> tuple[su
     env = {**ENV, "ACCEL_FP8_FIX_REHEARSAL": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420, cwd=ROOT)
+    project.with_suffix(".log").write_text(proc.stdout + proc.stderr)  # the whole launch, for a failure's reader
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return proc, records
 

@@ -246,3 +246,34 @@ def test_cp_wrapper_checks_only_with_cp_on_and_warns_when_the_balancer_would_be_
     else:
         raise AssertionError("the balancer-off length was not refused where torch's ring fails on it")
     assert len(calls) == 3
+
+
+def test_a_presharded_model_without_a_mixed_precision_policy_is_named(monkeypatch):
+    """accelerate's bf16 / FP8 mixed precision reaches an FSDP2 model only through fully_shard's policy: a model
+    transformers sharded at load without ``fsdp_mixed_precision`` trains in fp32, said once by name."""
+    import warnings
+
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from accel_fp8_fix import _log
+    from accel_fp8_fix.fixes.convert import presharded
+
+    class Plugin:
+        mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+    model = torch.nn.Linear(2, 2)
+    found = {None}
+    monkeypatch.setattr(presharded.torch_fsdp2, "param_dtypes", lambda m: found)
+    monkeypatch.setattr(_log, "speaks", lambda: True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        presharded.warn_if_mixed_precision_is_lost(Plugin(), model)
+        found = {torch.bfloat16}  # sharded with a policy: silent
+        presharded.warn_if_mixed_precision_is_lost(Plugin(), model)
+        Plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.float32)  # fp32 asked: silent
+        found = {None}
+        presharded.warn_if_mixed_precision_is_lost(Plugin(), model)
+    said = [str(w.message) for w in caught if "mixed-precision policy" in str(w.message)]
+    assert len(said) == 1 and "Linear was sharded before prepare" in said[0]
+    assert "(torch.bfloat16)" in said[0] and "DistributedConfig(..., fsdp_mixed_precision=True)" in said[0]

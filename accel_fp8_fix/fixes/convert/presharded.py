@@ -16,7 +16,8 @@ import logging
 
 from torch import nn
 
-from ..._log import say
+from ..._log import say, warn_user
+from ...internals import torch_fsdp2
 from ...distributed.dtensor import is_dtensor
 from ...distributed.mesh_facts import FSDP_DIM_NAMES, TP_DIM, dim_names
 
@@ -35,11 +36,32 @@ def set_auto_wrap_policy(wrapped, instance, args, kwargs):
     model = args[0] if args else kwargs.get("model")
     if model is None or not is_presharded(model):
         return wrapped(*args, **kwargs)
+    warn_if_mixed_precision_is_lost(instance, model)
     say(logger, logging.INFO,
         f"accel_fp8_fix: {type(model).__name__} is already FSDP2-sharded (transformers' DistributedConfig, or "
         "fully_shard before prepare): accelerate keeps its sharding, so the FSDP plugin's auto-wrap policy, mixed "
         "precision policy, reshard_after_forward and CPU offload do not apply to it")
     return None
+
+
+def warn_if_mixed_precision_is_lost(plugin, model: nn.Module) -> None:
+    """accelerate casts an FSDP2 model to its ``mixed_precision`` only through the ``MixedPrecisionPolicy`` it passes
+    to ``fully_shard`` (no autocast on the FSDP2 path). A model FSDP2 already wraps keeps the policy it was sharded
+    with: without one (transformers' ``DistributedConfig(fsdp_mixed_precision=False)``, its default) a bf16 or FP8
+    run computes everything outside TE's FP8 GEMMs in fp32, silently. Said once, by name."""
+    import torch
+
+    asked = getattr(plugin, "mixed_precision_policy", None)
+    if getattr(asked, "param_dtype", None) in (None, torch.float32):
+        return
+    if torch_fsdp2.param_dtypes(model) != {None}:
+        return
+    warn_user(
+        f"accel_fp8_fix: {type(model).__name__} was sharded before prepare (transformers' DistributedConfig, or "
+        f"fully_shard) without a mixed-precision policy, so accelerate's mixed precision ({asked.param_dtype}) does "
+        "not reach it: it trains in fp32 outside TE's FP8 GEMMs. Load it with "
+        "DistributedConfig(..., fsdp_mixed_precision=True) (bf16 parameters, fp32 gradient reduction), or pass "
+        "fully_shard(mp_policy=...) yourself.")
 
 
 def check_mesh_matches(accelerator, model: nn.Module) -> None:
