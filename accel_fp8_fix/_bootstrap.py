@@ -1,7 +1,7 @@
 """Imported at interpreter start-up by the ``accel_fp8_fix.pth`` trampoline, only when one of
 ``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX`` (the accelerate config flag),
 ``ACCEL_FP8_FIX_REHEARSAL`` or ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT`` (record collectives for the cross-rank order
-check, ``accel_fp8_fix.testing.collective_order``) is set.
+check, ``accel_fp8_fix.diagnostics.collective_order``) is set.
 
 The first two activate the fixes (importing the package does). The rehearsal flag puts Transformer
 Engine's real Python on CPU and opens accelerate's CPU gates (``accel_fp8_fix.rehearsal``, the separate
@@ -23,7 +23,7 @@ if settings.get("ACCEL_FP8_FIX_COLLECTIVE_AUDIT"):  # a folder; 0 / off / empty:
     import os
 
     os.environ.setdefault(settings.FLIGHT_RECORDER, str(settings.FLIGHT_RECORDER_ENTRIES))
-    from accel_fp8_fix.testing import collective_order
+    from accel_fp8_fix.diagnostics import collective_order
 
     collective_order.install()
 

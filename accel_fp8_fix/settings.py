@@ -156,8 +156,8 @@ REHEARSAL = "ACCEL_FP8_FIX_REHEARSAL"
 REHEARSAL_INSTALL = "pip install ./packaging/rehearsal"
 DEPRECATED = {"ACCEL_FP8_FIX_EMULATE_TE": REHEARSAL}  # old name -> new name: read when the new one is unset
 # torch's own variable: how many collectives c10d's flight recorder keeps (read once, when the first process group
-# is made). The collective-order audit reads its records there (accel_fp8_fix.testing.collective_order), so the ranks
-# the test bed starts and the start-up hook under ACCEL_FP8_FIX_COLLECTIVE_AUDIT set it before torch does.
+# is made). The collective-order audit reads its records there (accel_fp8_fix.diagnostics.collective_order), so
+# the ranks the test bed starts and the start-up hook under ACCEL_FP8_FIX_COLLECTIVE_AUDIT set it before torch does.
 FLIGHT_RECORDER = "TORCH_FR_BUFFER_SIZE"
 FLIGHT_RECORDER_ENTRIES = 16384
 _warned: set = set()
@@ -209,7 +209,7 @@ REGISTRY: dict = {s.name: s for s in (
             "the ranks; off: every rank is started anew (accel_fp8_fix.testing.pool, docs/testing.md)", owner="testing",
             default="on"),
     Setting("ACCEL_FP8_FIX_COLLECTIVE_AUDIT", "path", "record this process's collectives into this folder for the "
-            "cross-rank order check (accel_fp8_fix.testing.collective_order, docs/testing.md)", owner="testing",
+            "cross-rank order check (accel_fp8_fix.diagnostics.collective_order, docs/testing.md)", owner="testing",
             default="off"),
     Setting("ACCEL_FP8_FIX_REHEARSAL_TARGET", "enum", "the GPU and CUDA stack the CPU rehearsal answers as",
             choices={"h200-cu130": "H200, CUDA 13.0 (sm90)", "h100-cu128": "H100, CUDA 12.8 (sm90)",

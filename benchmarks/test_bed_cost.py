@@ -1,7 +1,7 @@
 """What the test bed itself adds to an FP8 training step on CPU: the collective-order audit's two recorders, on vs off.
 
 Every launch of the suite runs its scenarios under the rehearsal (TE's Python over the CPU kernel shim) with the
-collective-order audit (``accel_fp8_fix.testing.collective_order``). Its per-op costs, not arithmetic, set the
+collective-order audit (``accel_fp8_fix.diagnostics.collective_order``). Its per-op costs, not arithmetic, set the
 suite's time: the models are tiny. This measures a one-process training step of a tiny transformers Llama converted
 to TE, FP8 delayed scaling, with a data-parallel gradient all-reduce per parameter on a one-rank gloo group (so
 that there are collectives to record), INTERLEAVED in one run (the order turns each round): the median step time
@@ -45,7 +45,7 @@ def main() -> None:
     if args.pool_starts:
         pool_starts(args.pool_starts)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from accel_fp8_fix.testing import collective_order
+    from accel_fp8_fix.diagnostics import collective_order
 
     os.environ.setdefault(collective_order.FR_ENV, str(collective_order.FR_ENTRIES))  # before torch starts
     if TESTS not in sys.path:
@@ -64,7 +64,7 @@ def main() -> None:
     from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
-    from accel_fp8_fix.testing.collective_order import CollectiveRecorder, FlightRecorderTrail
+    from accel_fp8_fix.diagnostics.collective_order import CollectiveRecorder, FlightRecorderTrail
 
     store = tempfile.NamedTemporaryFile(delete=False)
     dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
@@ -136,7 +136,7 @@ def main() -> None:
     stats = pstats.Stats(profile).stats
     total = sum(row[2] for row in stats.values())
     shares = {"the kernel shim (rehearsal/te_on_cpu)": "/rehearsal/te_on_cpu/",
-              "the recorder (testing/collective_order.py)": "/testing/collective_order.py"}
+              "the recorder (diagnostics/collective_order.py)": "/diagnostics/collective_order.py"}
     for label, part in shares.items():
         own = sum(row[2] for (path, _, _), row in stats.items() if part in path)
         print(f"  self time of {label}: {100 * own / total:.1f} % of a step under the dispatch recorder")

@@ -146,7 +146,7 @@ def run_job(job: rank_jobs.RankJob, workdir: Path, timeout: float = TIMEOUT_S) -
     text = log.read_text(errors="replace")
     result = next((json.loads(line.split(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("RANKS_RESULT ")), None)
-    from accel_fp8_fix.testing.collective_order import check_dir, load_dir
+    from accel_fp8_fix.diagnostics.collective_order import check_dir, load_dir
 
     runs = load_dir(audit) if audit.exists() else {}
     ops: dict = {}

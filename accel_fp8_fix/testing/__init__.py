@@ -12,7 +12,7 @@ rank order. Any rank failing, or the whole run outliving ``timeout``, raises
 stuck collective cannot eat a CI budget.
 
 Every run is a collective-order audit too (``audit_collectives=True``, the default): each rank records the
-collectives it issues (``accel_fp8_fix.testing.collective_order``) and a run whose ranks disagree — a group's
+collectives it issues (``accel_fp8_fix.diagnostics.collective_order``) and a run whose ranks disagree — a group's
 members issuing different collectives, sizes or orders, which gloo completes and NCCL hangs on — raises
 :class:`DistributedTestError` naming the first divergent collective and the ranks.
 """
@@ -53,7 +53,7 @@ def free_port() -> int:
 
 
 def _collective_divergences(tmp: Path, world_size: int) -> list[str]:
-    from .collective_order import check, load_dir
+    from ..diagnostics.collective_order import check, load_dir
 
     runs = load_dir(tmp / "collectives")
     sequences = {rank: seq for run in runs.values() for rank, seq in run["sequences"].items()}

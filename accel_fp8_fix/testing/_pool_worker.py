@@ -36,7 +36,7 @@ def main(address: str, rank: str, token: str, preload: str, imported_s: float = 
         started = time.perf_counter()
         for name in filter(None, preload.split(",")):
             importlib.import_module(name)
-        from accel_fp8_fix.testing import collective_order
+        from accel_fp8_fix.diagnostics import collective_order
 
         collective_order.install_hook()  # the audit's init_process_group wrapper belongs to the baseline
         baseline = isolation.Baseline.capture()
@@ -77,7 +77,7 @@ def _run(task: dict, rank: int, baseline: "isolation.Baseline") -> dict:
         for part in task["qualname"].split("."):
             fn = getattr(fn, part)
         if task["audit_dir"]:
-            from accel_fp8_fix.testing import collective_order
+            from accel_fp8_fix.diagnostics import collective_order
 
             collective_order.install(task["audit_dir"])
         if task["init_process_group"]:
@@ -109,7 +109,7 @@ def _end_run(task: dict) -> None:
     the run's groups together: no rank destroys a group a peer still uses."""
     _write_audit(task)
     if task["audit_dir"]:
-        from accel_fp8_fix.testing import collective_order
+        from accel_fp8_fix.diagnostics import collective_order
 
         collective_order.stop()
     import torch.distributed as dist
@@ -129,7 +129,7 @@ def _os_threads() -> int:
 
 def _write_audit(task: dict, failed: bool = False) -> None:
     if task["audit_dir"]:
-        from . import collective_order
+        from ..diagnostics import collective_order
 
         collective_order.write_now(failed=failed)  # nothing when it never recorded
 
@@ -148,7 +148,7 @@ def fork_ranks(address: str, world_size: str, token: str, preload: str, log_dir:
     started = time.perf_counter()
     for name in filter(None, preload.split(",")):
         importlib.import_module(name)
-    from accel_fp8_fix.testing import collective_order  # noqa: F401  (imported by every rank's start)
+    from accel_fp8_fix.diagnostics import collective_order  # noqa: F401  (imported by every rank's start)
 
     imported_s = time.perf_counter() - started
     threads = _os_threads()

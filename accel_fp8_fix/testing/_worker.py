@@ -33,7 +33,7 @@ def main(tmp: str, rank: str) -> None:
 
     audit = None
     if payload.get("audit_collectives"):
-        from accel_fp8_fix.testing import collective_order as audit
+        from accel_fp8_fix.diagnostics import collective_order as audit
 
         audit.install(tmp_dir / "collectives")  # records from init_process_group on
         # A hang is often a divergence: write what was recorded shortly before the launcher kills this rank.

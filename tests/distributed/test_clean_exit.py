@@ -82,7 +82,7 @@ def _launch_side_by_side(config: Path, runs: list, tmp_path: Path) -> list:
 def test_finished_runs_exit_zero(tmp_path):
     config = tmp_path / "fsdp2.yaml"
     config.write_text(CONFIG)
-    from accel_fp8_fix.testing.collective_order import check_dir, load_dir
+    from accel_fp8_fix.diagnostics.collective_order import check_dir, load_dir
 
     runs = []
     for i in range(LAUNCHES):

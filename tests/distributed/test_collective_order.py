@@ -1,4 +1,4 @@
-"""The collective-order audit of the test bed (accel_fp8_fix.testing.collective_order): planted divergences — ones
+"""The collective-order audit of the test bed (accel_fp8_fix.diagnostics.collective_order): planted divergences — ones
 gloo completes and NCCL would hang on or corrupt, and one gloo hangs on too — and a collective planted inside
 FSDP2's all-gather extension hook fail the run by name; what FSDP2 and DTensor issue is recorded alike on every
 rank."""
@@ -85,7 +85,7 @@ def _records(rank, world_size, layout):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from accel_fp8_fix.testing import collective_order
+    from accel_fp8_fix.diagnostics import collective_order
 
     recorder = collective_order._installed["recorder"]
     mesh = init_device_mesh("cpu", (world_size,))
@@ -108,7 +108,7 @@ def _both_views(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from accel_fp8_fix.testing import collective_order
+    from accel_fp8_fix.diagnostics import collective_order
 
     trail = collective_order._installed["recorder"]
     mesh = init_device_mesh("cpu", (world_size,))

@@ -36,7 +36,7 @@ def _expected_coverage_line() -> str:
 
 
 def test_demo_trains_fsdp2_x_tp_in_fp8_with_the_config_flag_only(tmp_path):
-    from accel_fp8_fix.testing.collective_order import check_dir, load_dir
+    from accel_fp8_fix.diagnostics.collective_order import check_dir, load_dir
 
     proc = _launch({}, audit_dir=tmp_path / "collectives")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]  # a finished run exits 0 (A20)

@@ -312,7 +312,7 @@ def _accelerate_launch(tmp_path, distributed_type, extra=""):
                           text=True, timeout=150, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     # every launched rank's collectives agree (the order NCCL needs)
-    from accel_fp8_fix.testing.collective_order import check_dir, load_dir
+    from accel_fp8_fix.diagnostics.collective_order import check_dir, load_dir
 
     assert check_dir(audit) == []
     proc.collective_runs = load_dir(audit)

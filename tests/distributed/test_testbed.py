@@ -72,7 +72,7 @@ def _pid_and_state(rank, world_size, set_env=False):
 
     import accel_fp8_fix
     from accelerate.state import PartialState
-    from accel_fp8_fix.testing import collective_order
+    from accel_fp8_fix.diagnostics import collective_order
 
     seen = {"pid": os.getpid(), "leftover_env": os.environ.get("ACCEL_FP8_FIX_TESTBED_PROBE"),
             "partial_state": bool(PartialState._shared_state), "patch_set": accel_fp8_fix.report().patch_set,

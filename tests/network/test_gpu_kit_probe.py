@@ -152,7 +152,7 @@ def test_job_verdict_refuses_a_job_whose_op_failed_on_one_rank_or_a_rank_that_di
 
 # -- derive_probe's reduction of the audit ---------------------------------------------------------------------
 def test_derive_probe_reduces_audit_records_to_distinct_ops_with_reduce_op_and_uneven_splits():
-    from accel_fp8_fix.testing.collective_order import Collective
+    from accel_fp8_fix.diagnostics.collective_order import Collective
 
     def c(kind, op, dtype, reduce_op="", splits=(), group=(0, 1)):
         if kind == "all_to_all":  # as the audit records one: its dtype None (compared), what it sent beside

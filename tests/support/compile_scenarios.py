@@ -88,7 +88,7 @@ def sc_fsdp2_fp8_compile(rank, world_size, backend="INDUCTOR", steps=3, lr=1e-3)
 
 def _audit_recorder():
     """The collective-order audit's recorder of this rank (None when the launch runs without the audit)."""
-    from accel_fp8_fix.testing import collective_order
+    from accel_fp8_fix.diagnostics import collective_order
 
     return collective_order._installed.get("recorder")
 

@@ -418,7 +418,7 @@ def cp_collectives(rank, world_size, plant=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    from accel_fp8_fix.testing import collective_order
+    from accel_fp8_fix.diagnostics import collective_order
 
     _group()
     recorder = collective_order._installed["recorder"]

@@ -355,7 +355,7 @@ class _HookAudit:
     """What this rank's collective-order recorder (on in every run_distributed launch) saw from now on."""
 
     def __init__(self):
-        from accel_fp8_fix.testing import collective_order
+        from accel_fp8_fix.diagnostics import collective_order
 
         self.recorder = collective_order._installed["recorder"]
         self.start = len(self.recorder.records) if self.recorder is not None else 0

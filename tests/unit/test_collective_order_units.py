@@ -1,6 +1,11 @@
-"""accel_fp8_fix.testing.collective_order.check: the comparison itself (no processes)."""
+"""accel_fp8_fix.diagnostics.collective_order.check: the comparison itself (no processes); where the audit lives."""
 
-from accel_fp8_fix.testing.collective_order import Collective, check, check_dir, dump, CollectiveRecorder
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from accel_fp8_fix.diagnostics.collective_order import Collective, check, check_dir, dump, CollectiveRecorder
 
 
 def c(kind, group, numel=4, dtype="float32"):
@@ -106,3 +111,19 @@ def test_the_recorder_marks_collectives_issued_inside_the_hooks(tmp_path):
                                                           (4, "fsdp_post_all_gather")]
     dump(rec, tmp_path / "run-1-1" / "rank0.json", 0, 1)  # written and read back with the mark
     assert len(check_dir(tmp_path)) == 1 and "inside fsdp_pre_all_gather" in check_dir(tmp_path)[0]
+
+
+def test_the_start_up_hook_installs_the_audit_without_the_test_bed(tmp_path):
+    """ACCEL_FP8_FIX_COLLECTIVE_AUDIT at start-up: the audit (diagnostics/) installed, the test bed not imported."""
+    code = ("import sys, accel_fp8_fix._bootstrap\n"
+            "from accel_fp8_fix.diagnostics import collective_order\n"
+            "print(collective_order._installed['dir'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('accel_fp8_fix.testing')))\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_FP8_FIX", "ACCELERATE_FP8_"))}
+    env.update(ACCEL_FP8_FIX_COLLECTIVE_AUDIT=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [str(tmp_path), "[]"]
+

@@ -395,7 +395,7 @@ MARKERS = frozenset({
     "_accel_fp8_fix_observed",  # TE's amax reduction observed (rehearsal)
     "_accel_fp8_fix_keeps_fp8_state",  # a TE module's get_extra_state wrapped (fixes/checkpoint/checkpoint.py)
     "_accel_fp8_fix_forward_notes",  # a model's forward error notes installed (diagnostics/notes.py)
-    "_self_accel_fp8_fix_audit",  # a collective wrapped by the audit (testing/collective_order.py)
+    "_self_accel_fp8_fix_audit",  # a collective wrapped by the audit (diagnostics/collective_order.py)
     "_accel_fp8_fix_noted", "_accel_fp8_fix_diagnosed",  # an exception given its note (diagnostics/notes.py)
 })
 NOT_YET_MOVED = frozenset({

@@ -24,7 +24,7 @@ Use it three ways:
 * a launched job: ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT=DIR accelerate launch ...`` (any process where the
   package's start-up hook runs — one of ``ACCEL_FP8_FIX``, ``ACCELERATE_FP8_ACCEL_FP8_FIX``,
   ``ACCEL_FP8_FIX_REHEARSAL`` or ``ACCEL_FP8_FIX_COLLECTIVE_AUDIT`` set — or after :func:`install` in the
-  script) writes one file per rank when the process exits; ``python -m accel_fp8_fix.testing.collective_order
+  script) writes one file per rank when the process exits; ``python -m accel_fp8_fix.diagnostics.collective_order
   DIR`` checks them (exit 1 naming the divergence);
 * in Python: ``with CollectiveRecorder() as rec: ...`` then ``check({rank: records, ...})``.
 
@@ -711,7 +711,7 @@ def _wrap_init(dist_module) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m accel_fp8_fix.testing.collective_order DIR", file=sys.stderr)
+        print("usage: python -m accel_fp8_fix.diagnostics.collective_order DIR", file=sys.stderr)
         return 2
     runs = load_dir(argv[0])
     problems = check_dir(argv[0])
