@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from accel_fp8_fix.diagnostics.collective_order import Collective, check, check_dir, dump, CollectiveRecorder
 
 
@@ -127,3 +129,11 @@ def test_the_start_up_hook_installs_the_audit_without_the_test_bed(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [str(tmp_path), "[]"]
 
+
+def test_the_old_module_path_is_a_deprecated_alias():
+    from accel_fp8_fix.diagnostics import collective_order
+
+    sys.modules.pop("accel_fp8_fix.testing.collective_order", None)
+    with pytest.warns(DeprecationWarning, match="accel_fp8_fix.diagnostics.collective_order"):
+        from accel_fp8_fix.testing.collective_order import CollectiveRecorder as old, _installed
+    assert old is CollectiveRecorder and _installed is collective_order._installed
