@@ -1,6 +1,6 @@
 """The runtime wheel carries the patch-set declarations and the .pth trampoline (they live outside the
-package folder in the source tree) and leaves the CPU rehearsal out; the rehearsal is its own wheel
-(packaging/rehearsal). Building needs hatchling from the registry: skipped without it, failed under CI."""
+package folder in the source tree) and leaves the CPU rehearsal and the suite's rank pools out; the rehearsal is its
+own wheel (packaging/rehearsal). Building needs hatchling from the registry: skipped without it, failed under CI."""
 
 import os
 
@@ -45,6 +45,25 @@ def test_wheel_ships_declarations_and_trampoline(wheel):
     assert not [n for n in names if n.startswith("accel_fp8_fix/rehearsal")]  # its own distribution
     pth = zipfile.ZipFile(wheel).read("accel_fp8_fix.pth").decode()
     assert pth.count("\n") <= 1 and pth.startswith("import os, sys;")  # one stdlib-only line
+
+
+def test_wheel_leaves_the_rank_pools_out_and_keeps_the_test_bed_and_the_audit(wheel, tmp_path):
+    """The rank pools and their isolation are this project's suite machinery (source tree only); run_distributed,
+    testing.shared and the collective-order audit (diagnostics/) ship, and the test bed imports without them."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert not names & {f"accel_fp8_fix/testing/{m}.py" for m in ("pool", "_pool_worker", "isolation")}
+    assert {"accel_fp8_fix/diagnostics/collective_order.py", "accel_fp8_fix/testing/__init__.py",
+            "accel_fp8_fix/testing/_worker.py", "accel_fp8_fix/testing/shared.py"} <= names
+    zipfile.ZipFile(wheel).extractall(tmp_path)
+    script = ("import sys; from accel_fp8_fix.testing import run_distributed; "
+              "from accel_fp8_fix.testing.shared import once_per_run; "
+              "print(run_distributed.__name__, once_per_run.__name__, sorted(m for m in sys.modules "
+              "if m.startswith('accel_fp8_fix.testing.') and m.rpartition('.')[2] in ('pool', '_pool_worker', "
+              "'isolation')))")
+    proc = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": os.environ.get("PATH", "")})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["run_distributed", "once_per_run", "[]"]
 
 
 def test_installed_wheel_finds_its_shipped_declarations(wheel, tmp_path):

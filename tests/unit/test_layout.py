@@ -12,7 +12,8 @@
   (the rehearsal's stand-ins for TE's C++ all-reduce and the test bed's own barrier are outside the rule);
 * Transformer Engine's private names are used only in ``internals/`` (and by the rehearsal, which stands in
   for TE's kernels);
-* no function is longer than 80 lines.
+* no function is longer than 80 lines;
+* the runtime wheel leaves the suite's rank pools out (pyproject's exclude) and nothing it keeps imports them.
 """
 
 from __future__ import annotations
@@ -466,3 +467,37 @@ def test_every_module_level_cache_is_emptied_by_the_one_reset():
     caches.reset()
     assert not _log._said and not settings._warned and next(agreement._round) == 0
     assert collectives._cache_world[0] is None and not clean_exit._registered
+
+
+# -- the runtime wheel (issue 46 item 3) ----------------------------------------------------------------------------
+# This project's own suite machinery: the rank pools and their isolation stay in the source tree (editable installs)
+# and out of the runtime wheel (pyproject's exclude; tests/network/test_packaging.py builds the wheel and looks).
+SUITE_ONLY = ("testing/pool.py", "testing/_pool_worker.py", "testing/isolation.py")
+
+
+def _wheel_excludes() -> list[str]:
+    import tomllib
+
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    return pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["exclude"]
+
+
+def test_the_suite_machinery_is_left_out_of_the_wheel_and_the_audit_kept():
+    excluded = _wheel_excludes()
+    for path in SUITE_ONLY:
+        assert (PACKAGE / path).is_file(), f"{path}: gone from the source tree — update SUITE_ONLY"
+        assert f"accel_fp8_fix/{path}" in excluded, f"pyproject.toml's wheel exclude lacks accel_fp8_fix/{path}"
+    kept = [p for p in excluded if not p.startswith("accel_fp8_fix/rehearsal")]
+    assert sorted(kept) == sorted(f"accel_fp8_fix/{p}" for p in SUITE_ONLY), kept  # the user's diagnostics stay in
+
+
+def test_nothing_the_wheel_keeps_imports_the_suite_machinery():
+    left_out = {_module_name(PACKAGE / path) for path in SUITE_ONLY}
+    wrong = []
+    for path, tree in _modules():
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative in SUITE_ONLY or relative.startswith("rehearsal/"):
+            continue
+        wrong += [f"accel_fp8_fix/{relative}:{line} imports {name}" for line, module, names in _imports(tree, path)
+                  for name in (module, *(f"{module}.{n}" for n in names)) if name in left_out]
+    assert not wrong, "a module of the runtime wheel imports what the wheel leaves out:\n" + "\n".join(wrong)
