@@ -367,6 +367,20 @@ def plot(path: str, model: str, runs: dict) -> bool:
     return True
 
 
+DOCS = os.path.join(ROOT, "docs", "convergence.md")
+
+
+def write_docs(model: str, table: str, path: str = DOCS) -> None:
+    """The table between ``<!-- results:<model> -->`` markers of docs/convergence.md (tests/unit/test_docs_agree.py
+    checks that they equal the committed ``benchmarks/results/convergence/<model>.md``)."""
+    text = open(path).read()
+    start, end = f"<!-- results:{model} -->", f"<!-- /results:{model} -->"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{start}\n{table}\n{end}{tail}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command")
@@ -383,6 +397,7 @@ def main(argv=None) -> int:
     parser.add_argument("--reuse", action="store_true", help="keep runs whose log is complete in --out")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal fails")
     parser.add_argument("--run-timeout", type=float, default=1800.0)
+    parser.add_argument("--write-docs", action="store_true", help="put each table into docs/convergence.md")
     args = parser.parse_args(argv)
     if args.command == "worker":
         worker(args)
@@ -401,8 +416,11 @@ def main(argv=None) -> int:
             runs[run], facts = read_run(log)
             seconds[run] = facts.get("s_per_step", float("nan"))
         table, model_failed = summarise(runs)
+        text = print_table(model, table, seconds)
         with open(os.path.join(args.out, f"{model}.md"), "w") as f:
-            f.write(print_table(model, table, seconds) + "\n")
+            f.write(text + "\n")
+        if args.write_docs:
+            write_docs(model, text)
         write_csv(os.path.join(args.out, f"{model}.csv"), runs)
         plot(os.path.join(args.out, f"{model}.png"), model, runs)
         print(f"convergence: corpus {facts.get('facts', facts)}", flush=True)

@@ -26,7 +26,7 @@ if [ $# -gt 0 ] || [ "${ACCEL_FP8_FIX_TEST_SPLIT:-1}" = 0 ]; then
   exec python -m pytest -q "$@"
 fi
 side=(tests/unit tests/rehearsal tests/testbed tests/network/test_gpu_kit.py tests/network/test_packaging.py tests/distributed/test_activation.py
-      tests/distributed/test_demo.py tests/network/test_accelerate_versions.py)
+      tests/distributed/test_demo.py tests/distributed/test_fault_resume.py tests/network/test_accelerate_versions.py)
 unit_log=$(mktemp "${TMPDIR:-/tmp}/accel_fp8_fix-unit.XXXXXX")
 # the side session keeps fewer one-rank pools alive: the other session's ranks share the memory
 ACCEL_FP8_FIX_TEST_POOLS=${ACCEL_FP8_FIX_TEST_UNIT_POOLS:-3} \

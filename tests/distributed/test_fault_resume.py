@@ -9,8 +9,10 @@ processes, FSDP2 x EP Qwen3-MoE on 2.
 torchrun's in-place restart over gloo can connect to a killed worker's old address: the agent's store outlives the
 round and the workers' keys carry no attempt (docs/troubleshooting.md, pytorch#135712). ``accelerate launch`` on one
 machine uses torchrun's static rendezvous, whose store is always kept (a restarted job hung in
-``init_process_group`` here); the launches pass ``--rdzv_backend c10d`` with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
-a fresh store each round, as the troubleshooting page tells users to. Nothing is retried here.
+``init_process_group`` here). The launches run torchrun's standalone c10d rendezvous (``PET_STANDALONE=1``: a free
+port and a job id of its own; plain ``--rdzv_backend c10d`` takes localhost:29400 and the id "none", shared by every
+job on the machine) with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, a fresh store each round, as the troubleshooting
+page tells users to. Nothing is retried here.
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ def _launch(layout: str, project: Path, restarts: int = 0, kills=()) -> tuple[su
     out = project.with_suffix(".jsonl")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(WORLD[layout]),
                "--num_machines", "1", "--main_process_port", "0", "--dynamo_backend", "no", "--monitor_interval", "1",
-               "--max_restarts", str(restarts), "--rdzv_backend", "c10d", str(SCRIPT), "--layout", layout, "--project-dir", str(project),
+               "--max_restarts", str(restarts), str(SCRIPT), "--layout", layout, "--project-dir", str(project),
                "--out", str(out), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
     for kill in kills:
         command += ["--kill", kill]
     env = {**ENV, "ACCEL_FP8_FIX_REHEARSAL": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONPATH": str(ROOT)}
+           "PET_STANDALONE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420, cwd=ROOT)
     project.with_suffix(".log").write_text(proc.stdout + proc.stderr)  # the whole launch, for a failure's reader
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []

@@ -1,5 +1,5 @@
 """A training script as a user writes one for a long run, run by tests/distributed/test_fault_resume.py under
-``accelerate launch --max_restarts 2 --rdzv_backend c10d`` (docs/troubleshooting.md): FP8 (delayed scaling) through ``import accel_fp8_fix``, FSDP2 x TP (Llama,
+``accelerate launch --max_restarts 2`` with torchrun's standalone rendezvous (docs/troubleshooting.md): FP8 (delayed scaling) through ``import accel_fp8_fix``, FSDP2 x TP (Llama,
 the FP8 all-gather on) or FSDP2 x EP (Qwen3-MoE, per-expert scales), loaded the documented N-D way, a prepared
 DataLoader, gradient accumulation, AdamW + schedule, ``save_state`` every ``--save-every`` steps with automatic
 checkpoint naming, and on start the resume: the newest complete checkpoint (``accel_fp8_fix.newest_complete_checkpoint``),

@@ -227,3 +227,14 @@ def test_the_layer_table_lists_what_each_layer_imports(row):
         assert listed <= actual | {"__init__"}, (layer, said, actual)
     else:
         assert listed == actual, f"docs/architecture.md says {layer} imports {sorted(listed)}; it imports {sorted(actual)}"
+
+
+@pytest.mark.parametrize("model", ["llama", "moe"])
+def test_docs_convergence_shows_the_committed_results(model):
+    """docs/convergence.md's table of each model is the one benchmarks/convergence.py wrote with the committed CSV
+    and picture (``--write-docs`` puts it there)."""
+    results = ROOT / "benchmarks" / "results" / "convergence"
+    text = (ROOT / "docs" / "convergence.md").read_text()
+    block = text.split(f"<!-- results:{model} -->\n", 1)[1].split(f"\n<!-- /results:{model} -->", 1)[0]
+    assert block == (results / f"{model}.md").read_text().rstrip("\n")
+    assert (results / f"{model}.csv").exists() and (results / f"{model}.png").exists()
