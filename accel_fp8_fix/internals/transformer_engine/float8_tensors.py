@@ -121,7 +121,7 @@ GROUPED_WEIGHT_SOURCES = (
 
 def grouped_views_missing() -> list[str]:
     """What running a GroupedLinear on weights it does not own needs of the installed TE and is not there."""
-    from . import missing_from_sources, package_root
+    from .. import missing_from_sources, package_root
 
     root = package_root("transformer_engine")
     if root is None:
@@ -169,7 +169,7 @@ def meta_package_only(versions: Mapping[str, str | None]) -> str | None:
     said under the CPU rehearsal, whose kernel shim stands in for exactly those libraries."""
     from importlib import metadata
 
-    from .. import settings
+    from ... import settings
 
     installed = te_version(versions)
     if installed is None or settings.get(settings.REHEARSAL):
@@ -192,7 +192,7 @@ def meta_package_only(versions: Mapping[str, str | None]) -> str | None:
 
 
 def check(versions: Mapping[str, str | None]) -> list[str]:
-    from . import missing_from_sources, package_root
+    from .. import missing_from_sources, package_root
 
     installed = te_version(versions)
     root = package_root("transformer_engine")
@@ -203,7 +203,7 @@ def check(versions: Mapping[str, str | None]) -> list[str]:
         return [f"{version}: transformer_engine not found"]
     meta_only = meta_package_only(versions)
     if meta_only:  # not a reason to refuse the set (its bf16 / FSDP2 x TP fixes still apply): said once, by name
-        from .._log import warn_user
+        from ..._log import warn_user
 
         warn_user(f"accel_fp8_fix: {meta_only}")
     problems = missing_from_sources(root, _SOURCES, version)
@@ -381,7 +381,7 @@ FP8_ALL_GATHER_BLOCK_SOURCES = (
 def fp8_all_gather_missing(versions: Mapping[str, str | None], recipe_name: str | None = None) -> list[str]:
     """What the FP8 all-gather needs of the installed TE (under ``recipe_name``) and is not there (empty: all
     there)."""
-    from . import missing_from_sources, package_root
+    from .. import missing_from_sources, package_root
 
     root = package_root("transformer_engine")
     if root is None:
