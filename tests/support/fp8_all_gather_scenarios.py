@@ -59,9 +59,9 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     import torch
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
     from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
+    from accel_fp8_fix.internals import transformer_engine as te_internals
 
     model = build()
     convert_after_sharding(model, te, exclude=exclude)
@@ -69,7 +69,7 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
         if hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True
     recipe = _te_recipe(kind)
-    params = fp8_all_gather_fix.scale_params(recipe)
+    params = te_internals.scale_params(recipe)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, norms = [], []
     for _ in range(steps):
@@ -291,7 +291,6 @@ class _BitsProbe:
                         for n, m in self.modules.items()]
 
     def expect(self):
-        from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
         from accel_fp8_fix.internals import transformer_engine as te_internals
 
         self.steps += 1
@@ -301,8 +300,8 @@ class _BitsProbe:
             if self.setup.all_gather.kind == "block":
                 self.expected[name] = te_internals.block_rowwise(te_internals.float8_block_weight_quantizer(recipe)(full))
             else:
-                params = fp8_all_gather_fix.scale_params(recipe)
-                scale = fp8_all_gather_fix.scales_from_amaxes(full.abs().amax().float().reshape(1), params)
+                params = te_internals.scale_params(recipe)
+                scale = te_internals.scales_from_amaxes(full.abs().amax().float().reshape(1), params)
                 self.expected[name] = te_internals.float8_rowwise(te_internals.float8_quantizer(scale, params.fp8_dtype)(full))
 
     def _check(self, mod, args, name):
@@ -604,7 +603,6 @@ def _fp8_weight_leaves(model, params):
     import torch
     import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
     from accel_fp8_fix.fixes.all_gather.fp8_experts_gather import EXPERT_WEIGHTS, Fp8Experts
     from accel_fp8_fix.fixes.convert.moe_experts import is_converted
     from accel_fp8_fix.internals import transformer_engine as te_internals
@@ -621,10 +619,10 @@ def _fp8_weight_leaves(model, params):
             master = module._parameters[name]
             w = master.detach()
             if name == "weight":
-                scale = fp8_all_gather_fix.scales_from_amaxes(w.abs().amax().float().reshape(1), params)
+                scale = te_internals.scales_from_amaxes(w.abs().amax().float().reshape(1), params)
                 leaf = te_internals.float8_quantizer(scale.clone(), params.fp8_dtype)(w)
             else:
-                scales = fp8_all_gather_fix.scales_from_amaxes(w.abs().amax(dim=(1, 2)).float(), params)
+                scales = te_internals.scales_from_amaxes(w.abs().amax(dim=(1, 2)).float(), params)
                 quantizers = [te_internals.float8_quantizer(scales[e:e + 1].clone(), params.fp8_dtype)
                               for e in range(w.shape[0])]
                 data = torch.stack([te_internals.quantized_bits(q(w[e])) for e, q in enumerate(quantizers)])
@@ -757,11 +755,10 @@ class _ExpertBitsProbe:
     whole master expert (bytes and tile grid) — bit for bit."""
 
     def __init__(self, model, ag, recipe):
-        from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
 
         from accel_fp8_fix.internals import transformer_engine as te_internals
 
-        self.params = fp8_all_gather_fix.scale_params(recipe)
+        self.params = te_internals.scale_params(recipe)
         self.block = te_internals.float8_block_weight_quantizer(recipe) if ag.kind == "block" else None
         self.names = list(ag.experts)
         owners = {w.rsplit(".", 1)[0] for w in self.names}
@@ -773,7 +770,6 @@ class _ExpertBitsProbe:
     def expect(self):
         import torch
 
-        from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
         from accel_fp8_fix.internals import transformer_engine as te_internals
 
         self.steps += 1
@@ -788,7 +784,7 @@ class _ExpertBitsProbe:
                     continue
                 # each global expert's scale from its whole weight's amax (all TP slices); this rank's unsharded
                 # experts (under EP: its EP rank's) quantized at their experts' scales
-                scales = fp8_all_gather_fix.scales_from_amaxes(full.abs().amax(dim=(1, 2)).float(), self.params)
+                scales = te_internals.scales_from_amaxes(full.abs().amax(dim=(1, 2)).float(), self.params)
                 mine = scales[start:start + local.shape[0]]
                 data = torch.stack([te_internals.quantized_bits(
                     te_internals.float8_quantizer(mine[e:e + 1].clone(), self.params.fp8_dtype)(local[e]))

@@ -72,7 +72,7 @@ def test_the_readme_support_table_is_the_declared_windows():
 
 # -- module maps ------------------------------------------------------------------------------------------------
 MAPPED = ("fixes", "fixes/start", "fixes/convert", "fixes/all_gather", "fixes/checkpoint", "fixes/step", "diagnostics",
-          "distributed", "engine", "internals", "rehearsal", "rehearsal/te_on_cpu")
+          "distributed", "engine", "internals", "internals/transformer_engine", "rehearsal", "rehearsal/te_on_cpu")
 
 
 def _modules(folder: str) -> list[str]:

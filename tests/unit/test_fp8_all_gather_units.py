@@ -15,6 +15,7 @@ import torch
 from accel_fp8_fix import settings
 from accel_fp8_fix.fixes.all_gather import fp8_all_gather as fp8_all_gather_fix
 from accel_fp8_fix.fixes.start import fp8_all_gather_policy as policy
+from accel_fp8_fix.internals.transformer_engine import scaling as te_scaling
 from accel_fp8_fix.rehearsal.te_on_cpu import tex
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,8 +25,8 @@ AMAXES = [0.0, 1e-30, 1e-12, 3.0e-5, 0.1, 0.5, 1.0, 2.0, 3.14159, 448.0, 1000.0,
 @pytest.mark.parametrize("fp8_max", [448.0, 57344.0])
 @pytest.mark.parametrize("pow2,epsilon", [(False, 0.0), (True, 0.0), (False, 1e-3), (True, 1e-3)])
 def test_scales_are_the_kernels_compute_scale_from_amax_bit_for_bit(fp8_max, pow2, epsilon):
-    params = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=fp8_max, force_pow_2=pow2, epsilon=epsilon)
-    mine = fp8_all_gather_fix.scales_from_amaxes(torch.tensor(AMAXES, dtype=torch.float32), params)
+    params = te_scaling.ScaleParams(fp8_dtype=None, fp8_max=fp8_max, force_pow_2=pow2, epsilon=epsilon)
+    mine = te_scaling.scales_from_amaxes(torch.tensor(AMAXES, dtype=torch.float32), params)
     shim = torch.tensor([tex.scale_from_amax(a, fp8_max, pow2, epsilon) for a in AMAXES], dtype=torch.float32)
     assert torch.equal(mine.view(torch.int32), shim.view(torch.int32)), (mine, shim)
 
@@ -55,16 +56,16 @@ TE_SCALES = [
 @pytest.mark.parametrize("inputs,bits", TE_SCALES, ids=[f"{a}-{m}-{p}-{e}" for (a, m, p, e), _ in TE_SCALES])
 def test_scales_are_tes_compute_scale_from_amax_as_its_source_reads(inputs, bits):
     amax, fp8_max, pow2, epsilon = inputs
-    params = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=fp8_max, force_pow_2=pow2, epsilon=epsilon)
-    scale = fp8_all_gather_fix.scales_from_amaxes(torch.tensor([amax], dtype=torch.float32), params)
+    params = te_scaling.ScaleParams(fp8_dtype=None, fp8_max=fp8_max, force_pow_2=pow2, epsilon=epsilon)
+    scale = te_scaling.scales_from_amaxes(torch.tensor([amax], dtype=torch.float32), params)
     assert int(scale.view(torch.int32).item()) & 0xFFFFFFFF == bits, (float(scale), hex(bits))
 
 
 def test_delayed_margin_divides_by_a_power_of_two_exactly():
-    base = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=448.0)
-    margin = fp8_all_gather_fix._ScaleParams(fp8_dtype=None, fp8_max=448.0, margin=2)
+    base = te_scaling.ScaleParams(fp8_dtype=None, fp8_max=448.0)
+    margin = te_scaling.ScaleParams(fp8_dtype=None, fp8_max=448.0, margin=2)
     amax = torch.tensor([0.3, 7.0, 0.0], dtype=torch.float32)
-    a, b = fp8_all_gather_fix.scales_from_amaxes(amax, base), fp8_all_gather_fix.scales_from_amaxes(amax, margin)
+    a, b = te_scaling.scales_from_amaxes(amax, base), te_scaling.scales_from_amaxes(amax, margin)
     assert torch.equal(b[:2], a[:2] / 4) and b[2] == 1.0  # amax 0: scale 1, as the kernel
 
 
@@ -139,7 +140,7 @@ def test_the_installed_te_has_what_the_fp8_all_gather_needs():
 def test_a_te_without_the_block_pieces_refuses_only_block_scaling(monkeypatch):
     from accel_fp8_fix.internals import transformer_engine as te_internals
 
-    monkeypatch.setattr(te_internals, "FP8_ALL_GATHER_BLOCK_SOURCES",
+    monkeypatch.setattr(te_internals.float8_tensors, "FP8_ALL_GATHER_BLOCK_SOURCES",
                         te_internals.FP8_ALL_GATHER_BLOCK_SOURCES + (("pytorch/tensor/float8_blockwise_tensor.py", "no such text"),))
     versions = {"transformer-engine": "2.20.2", "torch": "2.13.0"}
     why = policy.refusal("Float8BlockScaling", is_fsdp2=True, versions=versions)
@@ -232,13 +233,13 @@ def test_the_scales_are_one_packed_reduction_into_buffers_allocated_once():
 
     shards = [torch.randn(8, 16) * s for s in (1.0, 30.0, 1e-3)]
     record = WeightRecord()
-    scales = WeightScales(record, None, fp8_all_gather_fix.scale_params(Float8CurrentScaling()))
+    scales = WeightScales(record, None, te_scaling.scale_params(Float8CurrentScaling()))
     for n, t in enumerate(shards):
         scales.add(record.add(f"w{n}", _fake_fsdp_param(8, 16, 1, shard=t, param=t), "per_tensor"))
     with torch.inference_mode():  # a first forward in an evaluation: the buffers are still normal tensors
         assert scales.refresh()
     assert not scales.scale.is_inference() and not scales.refresh()  # unchanged: no reduction
-    want = fp8_all_gather_fix.scales_from_amaxes(torch.stack([t.abs().amax() for t in shards]), scales.params)
+    want = te_scaling.scales_from_amaxes(torch.stack([t.abs().amax() for t in shards]), scales.params)
     assert torch.equal(scales.scale, want) and torch.equal(scales.scale_inv, torch.reciprocal(want))
     buffers = (scales.scale.data_ptr(), scales.scale_inv.data_ptr())
     views = [v.data_ptr() for v in scales.scale_inv_views]
@@ -274,7 +275,7 @@ def test_packed_experts_get_a_scale_per_expert_in_the_same_packed_reduction(monk
     # where the shard starts in the global tensor: the DTensor's offset (here the second of three FSDP2 chunks)
     monkeypatch.setattr(torch_internals, "global_row_offset", lambda t: 2 if t is shard else 0)
     record = WeightRecord()
-    scales = WeightScales(record, None, fp8_all_gather_fix.scale_params(Float8CurrentScaling()))
+    scales = WeightScales(record, None, te_scaling.scale_params(Float8CurrentScaling()))
     scales.add(record.add("w", _fake_fsdp_param(8, 16, 1, shard=linear, param=linear), "per_tensor"))
     j = scales.add(record.add("experts.gate_up_proj", _fake_fsdp_param(6, 4, 3, shard=shard, param=shard, rank=1),
                               "per_expert"), experts=6)
@@ -283,7 +284,7 @@ def test_packed_experts_get_a_scale_per_expert_in_the_same_packed_reduction(monk
     amax = torch.zeros(7)
     amax[0] = linear.abs().amax()
     amax[3:5] = shard.abs().amax(dim=(1, 2))
-    want = fp8_all_gather_fix.scales_from_amaxes(amax, scales.params)  # experts 0, 1, 4, 5: amax 0 -> scale 1
+    want = te_scaling.scales_from_amaxes(amax, scales.params)  # experts 0, 1, 4, 5: amax 0 -> scale 1
     assert torch.equal(scales.scale, want)
     assert len(scales.quantizers_of(j)) == 6 and scales.scale_inv_views[j].shape == (6,)
     assert all(q.scale.data_ptr() == scales.scale[1 + e:2 + e].data_ptr() for e, q in enumerate(scales.quantizers_of(j)))
@@ -297,9 +298,9 @@ def _fp8_experts(transposed=False):
     te_on_cpu.install()
     from transformer_engine.common.recipe import Float8CurrentScaling
 
-    params = fp8_all_gather_fix.scale_params(Float8CurrentScaling())
+    params = te_scaling.scale_params(Float8CurrentScaling())
     master = torch.randn(3, 32, 16) * torch.tensor([1.0, 10.0, 0.01]).reshape(3, 1, 1)
-    scales = fp8_all_gather_fix.scales_from_amaxes(master.abs().amax(dim=(1, 2)), params)
+    scales = te_scaling.scales_from_amaxes(master.abs().amax(dim=(1, 2)), params)
     quantizers = [te_internals.float8_quantizer(scales[e:e + 1].clone(), params.fp8_dtype) for e in range(3)]
     data = torch.stack([te_internals.quantized_bits(q(master[e])) for e, q in enumerate(quantizers)])
     return master, Fp8Experts(data, torch.reciprocal(scales), quantizers, torch.float32), quantizers

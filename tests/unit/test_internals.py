@@ -1,5 +1,6 @@
 """accel_fp8_fix/internals/: each module's ``check(versions)`` names a missing internal and the installed version;
-Transformer Engine's internals and forks live in one module, checked at apply like its siblings."""
+Transformer Engine's internals and forks live in one subpackage, a module per job, whose declarations are all
+gathered by its check (or by the check of the opt-in path that needs them)."""
 
 import pathlib
 import subprocess
@@ -19,7 +20,7 @@ needs_te = pytest.mark.skipif(TE is None, reason="transformer-engine not install
 
 def test_every_module_takes_the_versions_and_imports_nothing_from_the_engine():
     assert "transformer_engine" in internals.MODULES and "torch_internals" in internals.MODULES
-    for path in pathlib.Path(internals.__file__).parent.glob("*.py"):
+    for path in pathlib.Path(internals.__file__).parent.rglob("*.py"):
         source = path.read_text()
         assert "..engine" not in source and "accel_fp8_fix.engine" not in source, path.name
     assert internals.check(internals.MODULES, VERSIONS) == []
@@ -32,8 +33,8 @@ def test_an_unknown_module_is_named():
 
 @needs_te
 def test_a_missing_te_internal_is_named_with_the_te_version(monkeypatch):
-    monkeypatch.setattr(te_internals, "_SOURCES",
-                        te_internals._SOURCES + (("pytorch/utils.py", "def get_device_compute_capability_renamed("),))
+    monkeypatch.setattr(te_internals.recipes, "_SOURCES",
+                        te_internals.recipes._SOURCES + (("pytorch/utils.py", "def get_device_compute_capability_renamed("),))
     assert te_internals.check(VERSIONS) == [
         f"transformer-engine {TE}: internal 'def get_device_compute_capability_renamed(' is gone from "
         "transformer_engine/pytorch/utils.py"]
@@ -41,7 +42,7 @@ def test_a_missing_te_internal_is_named_with_the_te_version(monkeypatch):
 
 @needs_te
 def test_a_te_file_that_is_gone_is_named(monkeypatch):
-    monkeypatch.setattr(te_internals, "_SOURCES", (("pytorch/no_such_module.py", "def f("),))
+    monkeypatch.setattr(te_internals.recipes, "_SOURCES", (("pytorch/no_such_module.py", "def f("),))
     assert te_internals.check(VERSIONS) == [f"transformer-engine {TE}: transformer_engine/pytorch/no_such_module.py is gone"]
 
 
@@ -49,7 +50,7 @@ def test_a_te_file_that_is_gone_is_named(monkeypatch):
 def test_a_fork_with_neither_side_present_is_named(monkeypatch):
     forks = (("FP8GlobalStateManager (in quantization.py or fp8.py)",
               (("pytorch/quantization.py", "class FP8GlobalStateManagerX"), ("pytorch/fp8.py", "class FP8GlobalStateManagerX"))),)
-    monkeypatch.setattr(te_internals, "_FORKS", forks)
+    monkeypatch.setattr(te_internals.recipes, "_FORKS", forks)
     (problem,) = te_internals.check(VERSIONS)
     assert problem.startswith(f"transformer-engine {TE}: internal FP8GlobalStateManager (in quantization.py or fp8.py) is gone")
     assert "'class FP8GlobalStateManagerX' in transformer_engine/pytorch/quantization.py" in problem
@@ -57,12 +58,44 @@ def test_a_fork_with_neither_side_present_is_named(monkeypatch):
 
 @needs_te
 def test_the_pickle_guard_internals_are_checked_only_on_a_te_that_has_the_guard(monkeypatch):
-    guard = te_internals._GUARD_SOURCES + ((te_internals._GUARD_FILE, "def _classify_extra_state_pickle_renamed("),)
-    monkeypatch.setattr(te_internals, "_GUARD_SOURCES", guard)
+    guard_file, sources = te_internals.checkpoint._GUARDED
+    guard = sources + ((guard_file, "def _classify_extra_state_pickle_renamed("),)
+    monkeypatch.setattr(te_internals.checkpoint, "_GUARDED", (guard_file, guard))
     (problem,) = te_internals.check(VERSIONS)
     assert f"transformer-engine {TE}: internal 'def _classify_extra_state_pickle_renamed('" in problem
-    monkeypatch.setattr(te_internals, "_GUARD_FILE", "pytorch/_extra_state_absent.py")  # a TE < 2.18
+    monkeypatch.setattr(te_internals.checkpoint, "_GUARDED", ("pytorch/_extra_state_absent.py", guard))  # a TE < 2.18
     assert te_internals.check(VERSIONS) == []
+
+
+# The declarations of TE's subpackage checked when the paths that need them are asked for, not when a set applies.
+TE_ON_DEMAND = {"modules.GROUPED_WEIGHT_SOURCES": "grouped_views_missing",
+                "float8_tensors.FP8_ALL_GATHER_SOURCES": "fp8_all_gather_missing",
+                "float8_tensors.FP8_ALL_GATHER_BLOCK_SOURCES": "fp8_all_gather_missing"}
+
+
+def test_every_te_source_declaration_is_gathered_by_a_check():
+    """Split by job, TE's internals are declared in several modules: each declaration is one check() gathers (a
+    module of JOBS, as _SOURCES / _FORKS / _GUARDED) or one an opt-in path's check reads (TE_ON_DEMAND)."""
+    import importlib
+    import inspect
+
+    folder = pathlib.Path(te_internals.__file__).parent
+    assert sorted(p.stem for p in folder.glob("*.py")) == sorted(
+        ["__init__", "checkpoint", "float8_tensors", "installed", "modules", "recipes", "scaling"])
+    gathered = {"_SOURCES", "_FORKS", "_GUARDED"}
+    for path in folder.glob("*.py"):
+        module = importlib.import_module(f"{te_internals.__name__}.{path.stem}" if path.stem != "__init__"
+                                         else te_internals.__name__)
+        for name in (n for n in vars(module) if n.endswith(("SOURCES", "FORKS", "GUARDED"))):
+            if path.stem == "__init__" or vars(module)[name] is getattr(te_internals.checkpoint, "_GUARD_SOURCES"):
+                continue  # re-exports; the guard's sources are declared through _GUARDED
+            key = f"{path.stem}.{name}"
+            if key in TE_ON_DEMAND:
+                checker = getattr(module, TE_ON_DEMAND[key])
+                assert name in inspect.getsource(checker), key
+            else:
+                assert name in gathered and module in te_internals.installed.JOBS, key
+    assert te_internals.checkpoint._GUARDED[1] is te_internals.checkpoint._GUARD_SOURCES
 
 
 def test_no_te_installed_means_nothing_to_check(monkeypatch):
@@ -110,7 +143,7 @@ def test_a_renamed_te_internal_refuses_the_whole_set_naming_it_and_the_te_versio
     probe = (
         "import json\n"
         "import accel_fp8_fix.internals.transformer_engine as t\n"
-        "t._SOURCES += (('pytorch/distributed.py', 'def checkpoint_renamed('),)\n"
+        "t.recipes._SOURCES += (('pytorch/distributed.py', 'def checkpoint_renamed('),)\n"
         "import accel_fp8_fix, accelerate\n"
         "print(json.dumps({'patch_set': accel_fp8_fix.active_patch_set(), 'error': accel_fp8_fix.report().error}))\n"
         "import sys; print(json.dumps('transformer_engine' in sys.modules))\n"

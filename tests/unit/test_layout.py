@@ -10,8 +10,8 @@
   (``ROOMS``) one way too: ``start`` <- ``convert`` <- ``all_gather`` / ``checkpoint`` / ``step`` <- the spine;
 * collectives go through the family, ``distributed/``: no direct ``torch.distributed`` collective call elsewhere
   (the rehearsal's stand-ins for TE's C++ all-reduce and the test bed's own barrier are outside the rule);
-* Transformer Engine's private names are used only in ``internals/`` (and by the rehearsal, which stands in
-  for TE's kernels);
+* Transformer Engine's private names, its FP8-state attributes, its ``_extra_state`` schema and its scale formula
+  are used only in ``internals/`` (and by the rehearsal, which stands in for TE's kernels);
 * no function is longer than 80 lines;
 * the runtime wheel leaves the suite's rank pools out (pyproject's exclude) and nothing it keeps imports them.
 """
@@ -344,7 +344,7 @@ def test_one_install_instruction_for_the_rehearsal():
 
 
 # Transformer Engine's FP8 state layout and its tensors' private fields: reached only through internals/
-# (transformer_engine.py's accessors). The rehearsal is TE's stand-in and may use them; testing/ does not need to.
+# (transformer_engine/'s accessors). The rehearsal is TE's stand-in and may use them; testing/ does not need to.
 # get_extra_state / set_extra_state / _extra_state are torch's nn.Module protocol, not TE's: not on the list.
 TE_INTERNAL_ATTRS = frozenset({
     "fp8_meta", "init_fp8_metadata", "fp8_meta_tensors_initialized", "fp8_checkpoint", "quantizers",
@@ -374,7 +374,7 @@ def test_transformer_engine_attributes_only_in_internals():
         relative = path.relative_to(PACKAGE.parent)
         if relative.parts[1] not in INSIDE_THE_TE_FENCE:
             wrong += _te_attribute_uses(tree, relative)
-    assert not wrong, ("reach TE's FP8 state through accel_fp8_fix/internals/transformer_engine.py:\n"
+    assert not wrong, ("reach TE's FP8 state through accel_fp8_fix/internals/transformer_engine/:\n"
                        + "\n".join(wrong))
 
 
@@ -384,6 +384,58 @@ def test_the_te_fence_sees_attributes_and_getattr():
     found = _te_attribute_uses(ast.parse(source), Path("x.py"))
     assert sorted(found) == ["x.py:2 .fp8_meta", "x.py:3 hasattr(..., 'init_fp8_metadata')",
                              "x.py:4 getattr(..., '_rowwise_data')"], found
+
+
+# TE's checkpoint schema and scale formula (issue 46 item 1): internals/transformer_engine/checkpoint.py knows the
+# ``_extra_state`` payload's keys and TE's recipe module (the only classes a payload may name), scaling.py TE's
+# ``compute_scale_from_amax`` and each recipe's settings of it. Outside the fence no string may name them, and no
+# expression may compute a scale from an FP8 type's max (``fp8_max / amax``), clear a scale's mantissa (power-of-2
+# scales: ``0xFF800000``) or divide by ``2**margin`` (``ldexp``). Importing TE's public recipe module is allowed.
+TE_CHECKPOINT_LITERALS = frozenset({
+    "transformer_engine.common.recipe", "scale_fwd", "scale_bwd", "amax_history_fwd", "amax_history_bwd",
+    "scale_inv_fwd", "scale_inv_bwd", "extra_fp8_variables",
+})
+TE_SCALE_NAMES = ("fp8_max", "max_fp8")
+TE_SCALE_MASKS = (0xFF800000, 0xFF800000 - (1 << 32))
+
+
+def _te_knowledge_uses(tree: ast.Module, path) -> list[str]:
+    """``file:line what`` of TE's checkpoint schema named in a string and TE's scale formula computed."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in TE_CHECKPOINT_LITERALS:
+            out.append(f"{path}:{node.lineno} {node.value!r}")
+        elif isinstance(node, ast.Constant) and type(node.value) is int and node.value in TE_SCALE_MASKS:
+            out.append(f"{path}:{node.lineno} {hex(node.value)}")
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            names = {n.id for n in ast.walk(node.left) if isinstance(n, ast.Name)}
+            names |= {n.attr for n in ast.walk(node.left) if isinstance(n, ast.Attribute)}
+            if any(scale in name for name in names for scale in TE_SCALE_NAMES):
+                out.append(f"{path}:{node.lineno} a scale from an FP8 max")
+        elif isinstance(node, (ast.Attribute, ast.Name)) and getattr(node, "attr", getattr(node, "id", "")) == "ldexp":
+            out.append(f"{path}:{node.lineno} ldexp")
+    return out
+
+
+def test_te_checkpoint_schema_and_scale_formula_only_in_internals():
+    wrong = []
+    for path, tree in _modules():
+        relative = path.relative_to(PACKAGE.parent)
+        if relative.parts[1] not in INSIDE_THE_TE_FENCE:
+            wrong += _te_knowledge_uses(tree, relative)
+    assert not wrong, ("TE's extra-state schema and scale formula live in accel_fp8_fix/internals/transformer_engine/ "
+                       "(checkpoint.py, scaling.py):\n" + "\n".join(wrong))
+
+
+def test_the_te_fence_sees_the_schema_and_the_formula():
+    source = ("import transformer_engine.common.recipe as r\n"
+              "def f(p, amax, s, torch):\n    p['scale_fwd']\n    m = 'transformer_engine.common.recipe'\n"
+              "    x = torch.full_like(amax, p.fp8_max) / amax\n    y = fp8_max / amax\n    z = s & 0xFF800000\n"
+              "    torch.ldexp(x, -2)\n    w = amax / 2\n")
+    found = _te_knowledge_uses(ast.parse(source), Path("x.py"))
+    assert sorted(found) == ["x.py:3 'scale_fwd'", "x.py:4 'transformer_engine.common.recipe'",
+                             "x.py:5 a scale from an FP8 max", "x.py:6 a scale from an FP8 max", "x.py:7 0xff800000",
+                             "x.py:8 ldexp"], found
 
 
 # -- the package owns its state (issue 46 item 2) -----------------------------------------------------------------

@@ -40,8 +40,7 @@ from ...internals import torch_fsdp2
 from ...internals import transformer_engine as te_internals
 from . import fp8_experts_gather
 from ..start.fp8_all_gather_policy import Fp8AllGatherError, refusal, requested  # noqa: F401 (re-exported)
-from .fp8_weight_record import FLT_MAX, WeightRecord, WeightScales, scale_params, scales_from_amaxes  # noqa: F401
-from .fp8_weight_record import ScaleParams as _ScaleParams  # noqa: F401 (the name the unit tests use)
+from .fp8_weight_record import WeightRecord, WeightScales
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +246,7 @@ def install(model, te_modules, recipe, group) -> Fp8AllGatherSetup:
         else:
             kept[name] = why
     record = WeightRecord()
-    scales = WeightScales(record, group, scale_params(recipe)) if kind == "per_tensor" else None
+    scales = WeightScales(record, group, te_internals.scale_params(recipe)) if kind == "per_tensor" else None
     setup = Fp8AllGatherSetup(kind, record, scales, kept=kept)
     for name, fsdp_param in chosen:
         setup.weights.append(name)

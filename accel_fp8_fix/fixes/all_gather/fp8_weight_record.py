@@ -38,46 +38,7 @@ from ...internals import transformer_engine as te_internals
 from ..start.fp8_all_gather_policy import Fp8AllGatherError
 
 AMAX_NAME = "FP8 all-gather: packed weight amaxes"
-FLT_MAX = 3.4028234663852886e38
-
-
-@dataclass
-class ScaleParams:
-    fp8_dtype: object
-    fp8_max: float
-    margin: int = 0
-    force_pow_2: bool = False
-    epsilon: float = 0.0
-
-
-def scale_params(recipe) -> ScaleParams:
-    """The weight-scale settings of ``recipe``: current scaling's ``fp8_quant_fwd_weight`` (power-of-2, epsilon),
-    the delayed recipe's ``margin``."""
-    fp8_dtype = te_internals.fp8_weight_dtype(recipe)
-    params = ScaleParams(fp8_dtype, te_internals.fp8_max(fp8_dtype))
-    qparams = getattr(recipe, "fp8_quant_fwd_weight", None)
-    if qparams is not None:
-        params.force_pow_2 = bool(getattr(qparams, "power_2_scale", False))
-        params.epsilon = float(getattr(qparams, "amax_epsilon", 0.0))
-    if type(recipe).__name__ == "DelayedScaling":
-        params.margin = int(getattr(recipe, "margin", 0))
-    return params
-
-
-def scales_from_amaxes(amax: torch.Tensor, params: ScaleParams) -> torch.Tensor:
-    """TE's ``compute_scale_from_amax`` (common/recipe/recipe_common.cuh) over a vector, fp32; a delayed recipe's
-    ``margin`` divides by ``2**margin`` (exact: a power of two)."""
-    amax = amax.float()
-    amax = torch.where(amax < params.epsilon, torch.full_like(amax, params.epsilon), amax)
-    scale = torch.full_like(amax, params.fp8_max) / amax
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
-    if params.margin:
-        scale = torch.ldexp(scale, torch.full_like(scale, -params.margin))
-    bad = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
-    scale = torch.where(bad, torch.ones_like(scale), scale)
-    if params.force_pow_2:
-        scale = (scale.view(torch.int32) & torch.tensor(0xFF800000 - (1 << 32), dtype=torch.int32)).view(torch.float32)
-    return scale
+# TE's scale formula and each recipe's settings of it: internals/transformer_engine/scaling.py
 
 
 @dataclass
@@ -208,7 +169,7 @@ class WeightScales:
             amax = torch.cat([self._local_amaxes(j, t, device) for j, t in enumerate(shards)])
             if self.group is not None:
                 collectives.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.group, name=AMAX_NAME)
-            scale = scales_from_amaxes(amax, self.params)
+            scale = te_internals.scales_from_amaxes(amax, self.params)
             self.scale.copy_(scale)
             self.scale_inv.copy_(torch.reciprocal(scale))
         self.record.mark_current(self.indices)

@@ -16,7 +16,7 @@ from ...internals.transformer_engine import autocast_factory
 
 def te_autocast(te):
     """A function ``(enabled, recipe, group) -> context manager`` for the installed TE's autocast API (the
-    version fork lives in internals/transformer_engine.py)."""
+    version fork lives in internals/transformer_engine/recipes.py)."""
     return autocast_factory(te)
 
 

@@ -14,7 +14,7 @@ experts module gets a forward that
   after each GEMM;
 - runs both expert GEMMs as one ``te.GroupedLinear(num_gemms=E)`` each, on per-expert views of the (unsharded)
   3-D parameter: ``gate_up_proj[e]`` is ``[2I, H]`` = TE's ``[out, in]``; the views are handed to TE for the
-  call only (internals/transformer_engine.py), so autograd returns each expert's weight gradient to the 3-D
+  call only (internals/transformer_engine/modules.py), so autograd returns each expert's weight gradient to the 3-D
   Parameter FSDP2 / TP own;
 - applies the class's own gating (``_apply_gate``: ``act(gate) * up``), the routing weights and the
   ``index_add_`` of transformers' loop, under the model's TE autocast (same recipe and amax group).
