@@ -5,11 +5,13 @@ DataLoader, gradient accumulation, AdamW + schedule, ``save_state`` every ``--sa
 checkpoint naming, and on start the resume: the newest complete checkpoint (``accel_fp8_fix.newest_complete_checkpoint``),
 its RNG, optimizer, FP8 state and the data position (``skip_first_batches``).
 
-``--kill ATTEMPT:KIND:STEP`` (repeatable) makes process 1 SIGKILL itself in attempt ATTEMPT (torchrun's
-``TORCHELASTIC_RESTART_COUNT``): ``between`` after step STEP's update, ``saving`` inside the ``save_state`` of step
-STEP (after the models and optimizers are written, before the RNG files). Process 0 appends JSON lines to ``--out``
-as it goes: an attempt's start (where it resumed from, what a plain ``load_state()`` said), each step's loss, and at
-the end a digest per process of every weight shard, FP8 state tensor and optimizer state.
+``save_state`` runs every ``--save-every`` steps and once at the end. ``--kill ATTEMPT:KIND:STEP`` (repeatable) makes
+process 1 SIGKILL itself in attempt ATTEMPT (torchrun's ``TORCHELASTIC_RESTART_COUNT``): ``between`` after step STEP
+(after the end state is reported, before the final save, when STEP is the last), ``saving`` inside the
+``save_state`` of step STEP (after the models and optimizers are written, before the RNG files). Process 0 appends
+JSON lines to ``--out`` as it goes: an attempt's start (where it resumed from, what a plain ``load_state()`` said),
+each step's loss, and after the last step a digest per process of every weight shard, FP8 state tensor and optimizer
+state.
 """
 
 from __future__ import annotations
@@ -195,12 +197,15 @@ def main(argv=None) -> None:
                 optimizer.zero_grad()
         progress.step += 1
         emit(step=progress.step, loss=float(accelerator.reduce(torch.stack(losses).mean(), "mean")))
-        if progress.step % args.save_every == 0:
+        last = progress.step == args.steps
+        if progress.step % args.save_every == 0 and not last:
             accelerator.save_state()
+        if last:  # the end state, before the final save: an attempt killed after it still reports it
+            emit(digests=accelerator.gather_for_metrics([digest(model, optimizer)], use_gather_object=True))
         if rank == 1 and kills.get((attempt, "between")) == progress.step:
             os.kill(os.getpid(), signal.SIGKILL)
-    digests = accelerator.gather_for_metrics([digest(model, optimizer)], use_gather_object=True)
-    emit(digests=digests)
+        if last:
+            accelerator.save_state()  # the final checkpoint
     accelerator.end_training()
 
 
