@@ -17,6 +17,7 @@ from torch import nn
 
 from ..distributed.dtensor import is_dtensor
 from ..fixes.convert import moe_experts
+from ..fixes.convert.fp8_state import state_link_of
 from ..internals.transformer_engine import GEMMS_PER_MODULE
 
 __all__ = ["audit", "AuditReport", "ModuleAudit", "ParamAudit", "Coverage", "remember_setup", "warn_partial_coverage"]
@@ -351,7 +352,7 @@ def audit(model: nn.Module, accelerator=None) -> AuditReport:
     for name, module in model.named_modules():
         te = _is_te(module)
         params = [_param_audit(f"{name}.{n}" if name else n, p) for n, p in module.named_parameters(recurse=False)]
-        link = getattr(module, "_accel_fp8_fix_state_link", None)
+        link = state_link_of(module)
         fp8_state = registered.get(name) or ([e[1] for e in link.entries] if link is not None else [])
         stray = _stray(module)
         state_names = set(fp8_state)

@@ -80,7 +80,7 @@ def _sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=S
     import torch
     import torch.distributed as dist
 
-    from accel_fp8_fix.fixes.convert.fp8_state import AMAX_GROUP_ATTR
+    from accel_fp8_fix.fixes.convert.fp8_state import amax_group_of
 
     warnings.simplefilter("ignore")
     scenarios.ensure_rehearsal(True)
@@ -125,7 +125,7 @@ def _sc_ep(rank, world_size, family="qwen3_moe", fsdp=4, ep=2, fp8=True, steps=S
 
     coverage = accel_fp8_fix.audit(model, acc).coverage
     output_layer = acc.unwrap_model(model).lm_head.weight.numel()  # global elements
-    group = getattr(experts, AMAX_GROUP_ATTR, None)
+    group = amax_group_of(experts, None)
     # this rank's experts' columns of the reference's amax histories: GEMM i's three forward tensors are
     # columns 3i..3i+2 (TE's GroupedLinear), global expert = ep_rank * local + i
     cols = slice(3 * ep_rank * local, 3 * (ep_rank + 1) * local)

@@ -333,7 +333,7 @@ class _MetadataProbe:
 
         weight = next((w for w in ag.record.weights if w.name == name), ag.record.weights[0])
         shard = torch_fsdp2.sharded_local_tensor(weight.fsdp_param)
-        self.state = shard._accel_fp8_fix_all_gather
+        self.state = shard.gather_state
         self.original = self.state.pre_all_gather
         self.scale_storages, self.gathers = set(), 0
 

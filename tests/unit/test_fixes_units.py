@@ -40,6 +40,51 @@ def test_unifier_finds_registers_and_reports_unregistered_tensor_state():
                                              for k in ("scale", "amax_history")}
 
 
+class _Uncopyable:
+    """Stands for a process group: ``copy.deepcopy`` of one raises, as of torch's ProcessGroup."""
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object")
+
+
+def test_what_the_stages_learn_about_a_module_is_the_packages_and_a_copy_carries_none_of_it():
+    """Issue 46 item 2: the TP layout, the output-layer mark, the amax group and the experts mark are the package's
+    records, not attributes of the module: nothing named ``_accel_fp8_fix_*`` is set on it, and a copy of the
+    module (deep, as of a module outside FSDP2: FSDP2 refuses deepcopy) carries no record and no group; the FP8
+    state link is a forward pre-hook of the module, so the copy's follows its own buffers. A record goes with its
+    module; the one public reset empties them all."""
+    import copy
+    import gc
+
+    from accel_fp8_fix import caches
+    from accel_fp8_fix.fixes.convert import run_state
+    from accel_fp8_fix.fixes.convert.fp8_state import amax_group_of, share_state_over, state_link_of
+    from accel_fp8_fix.fixes.convert.tp_layout import is_output_layer, tp_layout_of
+
+    module = FakeTE()
+    register_tensor_state(module, attrs=("fp8_meta",))
+    group = _Uncopyable()
+    share_state_over(module, group)
+    run_state.module_record(module).tp_mode = "column"
+    run_state.module_record(module).output_layer = True
+    assert not any(name.startswith("_accel_fp8_fix") for name in vars(module))
+    assert amax_group_of(module, "model's") is group and tp_layout_of(module) == ("column", None)
+    copied = copy.deepcopy(module)
+    assert amax_group_of(copied, "model's") == "model's" and tp_layout_of(copied) == (None, None)
+    assert is_output_layer(module) and not is_output_layer(copied)
+    link = state_link_of(copied)
+    assert link is not None and link is not state_link_of(module)
+    assert set(fp8_state_tensors(copied)) == set(fp8_state_tensors(module))
+    assert fp8_state_tensors(copied)["_fp8_fp8_meta__scaling_fwd__scale"] is copied.fp8_meta["scaling_fwd"].scale
+    del module
+    gc.collect()
+    assert len(run_state._MODULE_RECORDS) == 0  # went with its module
+    other = nn.Linear(2, 2)
+    share_state_over(other, group)
+    assert "fixes.convert.run_state: accelerator and module records" in caches.reset()
+    assert amax_group_of(other, None) is None
+
+
 def test_fsdp_state_cached_on_a_module_is_not_its_state():
     # TE caches the enclosing FSDP2 unit's state on a module (_te_cached_parent_fsdp_state); the tensors in it
     # (every parameter of the unit) belong to FSDP, not to the module: neither stray nor FP8 state.

@@ -135,7 +135,10 @@ class _BlockGather:
 
 class Fp8AllGatherShard(torch.Tensor):
     """The local shard of a converted weight as FSDP2 sees it: the same storage, plain for every op (results are
-    plain tensors, pickling writes a plain tensor), plus FSDP2's all-gather extension hooks."""
+    plain tensors, pickling writes a plain tensor), plus FSDP2's all-gather extension hooks, which hand the work to
+    its ``gather_state`` (the weight's per-tensor or block all-gather; set by :func:`_alias`)."""
+
+    gather_state: object
 
     __torch_function__ = torch_fsdp2.plain_ops_class_attribute()
 
@@ -143,10 +146,10 @@ class Fp8AllGatherShard(torch.Tensor):
         return torch.Tensor.__reduce_ex__(_plain(self), protocol)
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        return self._accel_fp8_fix_all_gather.pre_all_gather(_plain(self), orig_size)
+        return self.gather_state.pre_all_gather(_plain(self), orig_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        return self._accel_fp8_fix_all_gather.post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+        return self.gather_state.post_all_gather(all_gather_outputs, metadata, param_dtype, out)
 
     def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
         """torch >= 2.15 asks (``FSDPParam._init_extensions``); its default, stated: the FP8 tensor
@@ -157,7 +160,7 @@ class Fp8AllGatherShard(torch.Tensor):
 
 def _alias(local: torch.Tensor, state) -> "Fp8AllGatherShard":
     shard = local.as_subclass(Fp8AllGatherShard)
-    shard._accel_fp8_fix_all_gather = state
+    shard.gather_state = state
     return shard
 
 

@@ -23,7 +23,7 @@ from ...distributed.dtensor import is_dtensor
 from ...distributed.mesh_facts import EP_DIM, dim_names
 from ...internals.accelerate_internals import prepared_models
 from ...internals.transformer_engine import delayed_scaling_tensors
-from ..convert.fp8_state import AMAX_GROUP_ATTR
+from ..convert.fp8_state import amax_group_of
 from ..convert.moe_experts import RUNNERS, is_converted
 
 # {prefix}_accel_fp8_fix_ep_fp8_{runner}_{fwd|bwd}_{amax_history|scale}: an attribute of the experts module while
@@ -48,7 +48,7 @@ def _as_dtensors(experts, runner) -> dict:
 
     mesh = experts.gate_up_proj.device_mesh
     names = dim_names(mesh)
-    expert_parallel = EP_DIM in names and getattr(experts, AMAX_GROUP_ATTR, None) is not None
+    expert_parallel = EP_DIM in names and amax_group_of(experts, None) is not None
     ep_dim = names.index(EP_DIM) if expert_parallel else None
     ep = mesh.size(ep_dim) if expert_parallel else 1
     out = {}

@@ -17,10 +17,7 @@ from torch import nn
 
 from ...distributed.collectives import all_reduce, broadcast
 from ...internals.transformer_engine import rebuild_quantizers
-
-# Set on a module whose FP8 state is shared by other ranks than the model's amax group's (the TE runners of an
-# expert-parallel experts module: the ranks holding the same experts, fixes/convert/moe_experts.py); its value is that group.
-AMAX_GROUP_ATTR = "_accel_fp8_fix_amax_group"
+from .run_state import module_record, module_record_of
 
 SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
               "_state_dict_hooks", "_load_state_dict_pre_hooks", "_non_persistent_buffers_set"}
@@ -95,7 +92,9 @@ def _buffer_name(path) -> str:
 
 
 class _StateLink:
-    """Keeps registered buffers and the module's own references (fp8_meta) pointing at one tensor."""
+    """Keeps registered buffers and the module's own references (fp8_meta) pointing at one tensor. A forward
+    pre-hook of its module, found there again (:func:`state_link_of`): it follows the module through
+    ``copy.deepcopy``, its entries' tensors copied with the module's."""
 
     def __init__(self, entries):
         self.entries = entries  # list of [path, buffer name, dtype, linked tensor]
@@ -140,18 +139,29 @@ def register_tensor_state(model: nn.Module, modules=None, attrs=None) -> list[Re
             entries.append([path, name, tensor.dtype, tensor])
             registered.append(RegisteredState(names.get(module, "?"), path, name, tuple(tensor.shape), tensor.dtype))
         if entries:
-            link = getattr(module, "_accel_fp8_fix_state_link", None)
+            link = state_link_of(module)
             if link is None:
                 link = _StateLink([])
-                module._accel_fp8_fix_state_link = link
                 module.register_forward_pre_hook(link)
             link.entries.extend(entries)
     return registered
 
 
+def state_link_of(module: nn.Module):
+    """The :class:`_StateLink` among ``module``'s forward pre-hooks, or None: its FP8 state is not registered."""
+    return next((hook for hook in module._forward_pre_hooks.values() if isinstance(hook, _StateLink)), None)
+
+
+def share_state_over(module: nn.Module, group) -> None:
+    """``module``'s FP8 state is shared by other ranks than the model's amax group's: ``group`` (the TE runners of an
+    expert-parallel experts module: the ranks holding the same experts, fixes/convert/moe_experts.py)."""
+    module_record(module).amax_group = group
+
+
 def amax_group_of(module: nn.Module, default):
-    """The group ``module``'s FP8 state is shared over: its own (``AMAX_GROUP_ATTR``) or ``default``."""
-    return getattr(module, AMAX_GROUP_ATTR, default)
+    """The group ``module``'s FP8 state is shared over: its own (:func:`share_state_over`) or ``default``."""
+    own = module_record_of(module).amax_group
+    return default if own is None else own
 
 
 def fp8_state_tensors(model: nn.Module, group=None, default=None) -> dict:
@@ -159,7 +169,7 @@ def fp8_state_tensors(model: nn.Module, group=None, default=None) -> dict:
     ``group``: only the modules whose FP8 state is shared over it (``default``: the model's group)."""
     out = {}
     for name, module in model.named_modules():
-        link = getattr(module, "_accel_fp8_fix_state_link", None)
+        link = state_link_of(module)
         if link is None or (group is not None and amax_group_of(module, default) is not group):
             continue
         link(module)  # make sure the buffers are the live tensors
@@ -173,8 +183,8 @@ def state_groups(model: nn.Module, default) -> list:
     order (one per rank and role: every rank lists its own, in the same order)."""
     groups = [default]
     for module in model.modules():
-        own = getattr(module, AMAX_GROUP_ATTR, None)
-        if own is not None and getattr(module, "_accel_fp8_fix_state_link", None) is not None and \
+        own = amax_group_of(module, None)
+        if own is not None and state_link_of(module) is not None and \
                 all(own is not g for g in groups):
             groups.append(own)
     return groups

@@ -37,12 +37,14 @@ class _SumGradOverGroup(torch.autograd.Function):
 
 class _LocalShardsDuringForward:
     """Forward pre/post hooks: TE kernels take local tensors, so DTensor params are swapped for their
-    (autograd-connected) local shards for the duration of the forward, then put back."""
+    (autograd-connected) local shards for the duration of the forward, then put back. One per module: it holds the
+    parameters it took out (``saved``) until its post hook puts them back."""
 
     def __init__(self, names, tp_mesh, sum_grads=False):
         self.names = names
         self.tp_dims = tp_mesh.mesh_dim_names
         self.sum_group = tp_mesh.get_group() if sum_grads else None
+        self.saved: dict = {}
 
     def pre(self, module, args):
         saved = {}
@@ -61,12 +63,12 @@ class _LocalShardsDuringForward:
             if self.sum_group is not None and local.requires_grad:
                 local = _SumGradOverGroup.apply(local, self.sum_group, f"{type(module).__name__}.{name} gradient")
             module._parameters[name] = local
-        module._accel_fp8_fix_saved_params = saved
+        self.saved = saved
 
     def post(self, module, args, output):
-        for name, param in getattr(module, "_accel_fp8_fix_saved_params", {}).items():
+        saved, self.saved = self.saved, {}
+        for name, param in saved.items():
             module._parameters[name] = param
-        module._accel_fp8_fix_saved_params = {}
 
 
 def install_local_shards(module: nn.Module, names, tp_mesh, sum_grads: bool = False) -> None:

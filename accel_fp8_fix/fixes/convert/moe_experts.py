@@ -54,11 +54,11 @@ from ...distributed.mesh_facts import DATA_PARALLEL_DIMS, EP_DIM, TP_DIM, dim_na
 from ...internals import torch_internals, transformers_ep, transformers_tp
 from ...internals import transformer_engine as te_internals
 from .fp8_shapes import FP8_LAST_MULTIPLE, recipe_multiples
-from .fp8_state import AMAX_GROUP_ATTR
+from .fp8_state import amax_group_of, share_state_over
+from .run_state import module_record, module_record_of
 
 logger = logging.getLogger(__name__)
 
-CONVERTED_ATTR = "_accel_fp8_fix_te_experts"  # set on an experts module whose GEMMs run in TE
 RUNNERS = ("te_gate_up", "te_down")
 
 
@@ -68,7 +68,8 @@ def is_packed_experts(module: nn.Module) -> bool:
 
 
 def is_converted(module: nn.Module) -> bool:
-    return bool(getattr(module, CONVERTED_ATTR, False))
+    """Its GEMMs run in TE (this package converted it)."""
+    return module_record_of(module).te_experts
 
 
 def _expert_parallel(module) -> bool:
@@ -342,7 +343,7 @@ def _expert_autocast(module):
     outermost exit, each on its own group). Elsewhere, or with FP8 off: nothing."""
     import contextlib
 
-    group = getattr(module, AMAX_GROUP_ATTR, None)
+    group = amax_group_of(module, None)
     manager = te_internals.fp8_global_state()
     if group is None or not manager.is_fp8_enabled():
         return contextlib.nullcontext()
@@ -368,11 +369,11 @@ def _install(te, module, tp_size: int) -> None:
     if _expert_parallel(module):
         group = expert_replica_group(module)
         for target in (module, gate_up, down):
-            setattr(target, AMAX_GROUP_ATTR, group)
+            share_state_over(target, group)
         transformers_ep.replace_experts_forward(module, forward)
     elif not transformers_tp.replace_original_forward(module, forward):
         module.forward = forward
-    setattr(module, CONVERTED_ATTR, True)
+    module_record(module).te_experts = True
 
 
 def convert_experts(model: nn.Module, te, dim_multiple: int = FP8_LAST_MULTIPLE, exclude=()) -> tuple[list, list]:

@@ -24,7 +24,7 @@ from ...internals.transformer_engine import has_fp8_state
 from .fp8_shapes import FP8_LAST_MULTIPLE, install_token_check, local_dims, local_dims_fit
 from .local_shards import install_local_shards
 from .moe_experts import convert_experts
-from .tp_layout import OUTPUT_LAYER_ATTR, TP_ATTR
+from .tp_layout import is_output_layer, tp_layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _te_tp_mismatch(module: nn.Module, mode) -> str | None:
     if (inp, out) == want and local:
         return None
     if _adapter(module, mode) is not None:
-        if getattr(module, OUTPUT_LAYER_ATTR, False):
+        if is_output_layer(module):
             return (f"it is the model's output layer (logits; TP style {type(style).__name__} gathers its output): "
                     "kept in high precision with transformers' TP")
         return None
@@ -122,7 +122,7 @@ def _take_over_parameters(old: nn.Module, new: nn.Module, names) -> None:
 
 
 def _new_linear(te, linear: nn.Linear, name: str):
-    mode, tp_mesh = getattr(linear, TP_ATTR, (None, None))
+    mode, tp_mesh = tp_layout_of(linear)
     tp_kwargs = {}
     if tp_mesh is not None and mode is not None and tp_mesh.size() > 1:
         tp_kwargs = {"tp_group": tp_mesh.get_group(), "tp_size": tp_mesh.size(), "parallel_mode": mode}
@@ -159,7 +159,7 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
             if name in exclude:
                 continue
             if isinstance(child, nn.Linear):
-                mode, tp_mesh = getattr(child, TP_ATTR, (None, None))
+                mode, tp_mesh = tp_layout_of(child)
                 tp_size = tp_mesh.size() if tp_mesh is not None else 1
                 in_local, out_local = local_dims(child.in_features, child.out_features, mode, tp_size)
                 if not local_dims_fit(in_local, out_local, dim_multiple):
@@ -170,7 +170,7 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
                 elif isinstance(child, FSDPModule):
                     reason = "it is an FSDP2 unit of its own (its unshard hooks live on this module object)"
                 else:
-                    reason = _te_tp_mismatch(child, getattr(child, TP_ATTR, (None, None))[0])
+                    reason = _te_tp_mismatch(child, mode)
                 if reason is not None:
                     report.skipped.append((name, reason))
                     continue
@@ -197,7 +197,7 @@ def convert_after_sharding(model: nn.Module, te, *, convert_layernorm: bool = Tr
                 _take_over_parameters(child, new, names)
             new.train(child.training)
             torch_fsdp2.retarget(fsdp_params, child, new)
-            tp_mesh = getattr(child, TP_ATTR, (None, None))[1]
+            tp_mesh = tp_layout_of(child)[1]
             if tp_mesh is not None:
                 install_local_shards(new, names, tp_mesh)
             setattr(parent, child_name, new)

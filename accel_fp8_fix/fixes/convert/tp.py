@@ -25,7 +25,6 @@ from ...internals.accelerate_internals import prepare_one
 from ...internals import transformers_features, transformers_tp
 from . import run_state
 from .local_shards import install_local_shards
-from .tp_layout import TP_ATTR
 
 
 def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:
@@ -46,7 +45,7 @@ def replicate_plain_parameters(model: nn.Module, tp_mesh) -> dict:
             new = nn.Parameter(local, requires_grad=old.requires_grad)
             module._parameters[name] = new
             mapping[old] = new
-        setattr(module, TP_ATTR, (getattr(module, TP_ATTR, (None, None))[0], tp_mesh))
+        run_state.module_record(module).tp_mesh = tp_mesh  # its TP mode (None: replicated) stays as noted
         # transformers' gradient all-reduce hook needs a leaf and a plain gradient: that sum is done here instead
         summed = transformers_tp.remove_grad_allreduce(module)
         install_local_shards(module, names, tp_mesh, sum_grads=summed)

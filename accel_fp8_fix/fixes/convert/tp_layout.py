@@ -1,6 +1,6 @@
-"""The TP layout recorded on each Linear / LayerNorm before FSDP2 adds its dims (``record_tp_layout``, read back
-through ``TP_ATTR``) by the conversion, the TP fix and prepare; the mesh facts it reads (data-parallel dims, FSDP2's
-placements) are distributed/mesh_facts.py's.
+"""The TP layout of each Linear / LayerNorm, noted before FSDP2 adds its dims (``record_tp_layout``) in the module's
+record (fixes/convert/run_state.py) and read back with :func:`tp_layout_of` by the conversion, the TP fix and
+prepare; the mesh facts it reads (data-parallel dims, FSDP2's placements) are distributed/mesh_facts.py's.
 """
 
 from __future__ import annotations
@@ -9,8 +9,18 @@ from torch import nn
 
 from ...distributed.dtensor import is_dtensor
 from ...distributed.mesh_facts import DATA_PARALLEL_DIMS, TP_DIM, dim_names, is_fsdp_placement
-TP_ATTR = "_accel_fp8_fix_tp"  # (parallel_mode, tp_mesh) recorded before FSDP2 wraps the parameters
-OUTPUT_LAYER_ATTR = "_accel_fp8_fix_output_layer"  # the model's output embedding (lm_head): kept as transformers shards it
+from .run_state import module_record, module_record_of
+
+
+def tp_layout_of(module: nn.Module) -> tuple:
+    """(parallel_mode, tp_mesh) noted for ``module``; (None, None) when it has none."""
+    found = module_record_of(module)
+    return found.tp_mode, found.tp_mesh
+
+
+def is_output_layer(module: nn.Module) -> bool:
+    """The model's output embedding (lm_head), noted by :func:`record_tp_layout`: kept as transformers shards it."""
+    return module_record_of(module).output_layer
 
 
 def tp_placement(name: str, weight) -> tuple:
@@ -53,9 +63,10 @@ def record_tp_layout(model: nn.Module) -> dict:
             mode = "column" if placement.dim == 0 else "row"
         else:
             raise ValueError(f"accel_fp8_fix: {name}.weight has placement {placement}, which TE's TP cannot express")
-        setattr(module, TP_ATTR, (mode, tp_mesh))
+        noted = module_record(module)
+        noted.tp_mode, noted.tp_mesh = mode, tp_mesh
         layout[name] = mode
     output_layer = getattr(model, "get_output_embeddings", lambda: None)()
     if isinstance(output_layer, nn.Module):
-        setattr(output_layer, OUTPUT_LAYER_ATTR, True)
+        module_record(output_layer).output_layer = True
     return layout
