@@ -4,7 +4,9 @@
 # do not wrap it in another flock of the same file.
 #
 # With no arguments the suite runs as two pytest sessions side by side: the tests that start no multi-rank job
-# (tests/unit, tests/rehearsal and tests/testbed, whose TE-in-a-fresh-process checks use one-rank pools; the files of tests/network whose subprocesses
+# (tests/unit and tests/rehearsal, whose TE-in-a-fresh-process checks use one-rank pools; tests/testbed, the test
+# bed's own tests, whose launches of small functions in 2-3 ranks start no scenario and mostly wait on deadlines;
+# the files of tests/network whose subprocesses
 # are single interpreters: the GPU kit's and the wheels' — the kit's rank probe, test_gpu_kit_probe.py, runs in the
 # other session; and the files whose launches are fresh interpreters by design: the ways in, the demo, the
 # accelerate releases; ~5 minutes) beside the pooled multi-process layers, whose ranks leave a core idle ~20 % of
