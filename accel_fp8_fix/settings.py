@@ -13,7 +13,8 @@ and the run read every setting through :func:`parse` (the doctor turns ``fp8_con
 accelerate exports, :func:`exported_fp8_env`, then reads those), so they cannot disagree.
 
 ``owner``: who reads it — ``package`` (this package: every read goes through :func:`get`), ``rehearsal`` (the
-CPU rehearsal, ``accel_fp8_fix.rehearsal``, with its own reader that accepts exactly what is listed here) or
+CPU rehearsal, ``accel_fp8_fix.rehearsal``, with its own reader that accepts exactly what is listed here),
+``diagnostics`` (``accel_fp8_fix.diagnostics``: the collective-order audit a launch's start-up hook installs) or
 ``testing`` (``accel_fp8_fix.testing``). Stdlib only, and nothing from the package but ``caches`` (the layer every
 other one reads: tests/unit/test_layout.py): imported by ``import accel_fp8_fix``. Choices another layer owns are handed in
 (:func:`provide_choices`: the patch sets' names).
@@ -209,7 +210,7 @@ REGISTRY: dict = {s.name: s for s in (
             "the ranks; off: every rank is started anew (accel_fp8_fix.testing.pool, docs/testing.md)", owner="testing",
             default="on"),
     Setting("ACCEL_FP8_FIX_COLLECTIVE_AUDIT", "path", "record this process's collectives into this folder for the "
-            "cross-rank order check (accel_fp8_fix.diagnostics.collective_order, docs/testing.md)", owner="testing",
+            "cross-rank order check (accel_fp8_fix.diagnostics.collective_order, docs/testing.md)", owner="diagnostics",
             default="off"),
     Setting("ACCEL_FP8_FIX_REHEARSAL_TARGET", "enum", "the GPU and CUDA stack the CPU rehearsal answers as",
             choices={"h200-cu130": "H200, CUDA 13.0 (sm90)", "h100-cu128": "H100, CUDA 12.8 (sm90)",
@@ -264,7 +265,7 @@ def _warn_deprecated(old: str, new: str) -> None:
                   stacklevel=3)
 
 
-def check(environ=None, owners=("package", "rehearsal", "testing")) -> list:
+def check(environ=None, owners=("package", "rehearsal", "diagnostics", "testing")) -> list:
     """(setting, ValueError) for every registered variable set to a value it does not accept."""
     environ = os.environ if environ is None else environ
     problems = []

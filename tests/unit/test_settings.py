@@ -83,7 +83,7 @@ def test_each_setting_accepts_its_spellings_and_names_everything_else(name):
     value, meaning = _good(setting)
     assert settings.get(name, {name: value}) == meaning
     assert settings.get(name, {}) is None and settings.get(name, {name: " "}) is None
-    assert setting.meaning and setting.accepted() and setting.owner in ("package", "rehearsal", "testing")
+    assert setting.meaning and setting.accepted() and setting.owner in ("package", "rehearsal", "diagnostics", "testing")
     bad = BAD[setting.kind]
     if bad is None:
         return
