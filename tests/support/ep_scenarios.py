@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import moe_scenarios
 from . import scenarios
@@ -58,10 +60,11 @@ def reference(family, fp8, steps, skew=None):
     model.config._experts_implementation = "eager"
     if fp8:
         convert_after_sharding(model, te, exclude=("lm_head",))
-    amax = {}
+    amax, batch = {}, zoo_scenarios.batch()
     with _skewed_routing(model, skew) if skew else contextlib.nullcontext():
-        losses, norms = fp8_scenarios.train_te_reference(
-            model, moe_scenarios._recipe("delayed"), zoo_scenarios.batch(), steps, moe_scenarios.LR, 1e9, fp8=fp8,
+        losses, norms = train_reference(
+            lambda: model, lambda m: m(**batch).loss, steps=steps, lr=moe_scenarios.LR, max_norm=1e9,
+            recipe=moe_scenarios._recipe("delayed"), fp8=fp8,
             after_first_backward=lambda m: amax.update(_fwd_amax(m) if fp8 else {}))
     return losses, norms, amax
 

@@ -9,6 +9,8 @@ import contextlib
 import copy
 import warnings
 
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
@@ -324,9 +326,10 @@ def reference(family, fp8, convert, steps=STEPS):
     model.config._experts_implementation = "eager"
     if convert:
         convert_after_sharding(model, te, exclude=("lm_head",))
-    grads = {}
-    losses, norms = fp8_scenarios.train_te_reference(model, _recipe("delayed"), zoo_scenarios.batch(), steps, LR, 1e9, fp8=fp8,
-                                         after_first_backward=lambda m: grads.update(_expert_grads(m)))
+    grads, batch = {}, zoo_scenarios.batch()
+    losses, norms = train_reference(lambda: model, lambda m: m(**batch).loss, steps=steps, lr=LR, max_norm=1e9,
+                                    recipe=_recipe("delayed"), fp8=fp8,
+                                    after_first_backward=lambda m: grads.update(_expert_grads(m)))
     return losses, norms, grads
 
 

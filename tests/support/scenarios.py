@@ -28,13 +28,15 @@ import os
 import sys
 import traceback
 
+from accel_fp8_fix.testing.training import DIM, block_stack, dense_batch, tiny_llama, token_batch, train_and_compare
+from accel_fp8_fix.testing.training import train, train_reference
+
 # -- environments -----------------------------------------------------------------------------------------
 _OFF = {"ACCELERATE_FP8_ACCEL_FP8_FIX": "0"}
 ENV_STOCK = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "0"}
 ENV_REHEARSAL = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "1"}
 ENV_FIXED = {**_OFF, "ACCEL_FP8_FIX": "1", "ACCEL_FP8_FIX_REHEARSAL": "1"}
 
-DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
 # cuBLASLt's per-tensor FP8 GEMMs on Hopper need every leading dimension a multiple of 16 (TE's
 # cublaslt_gemm.cu:159-163; a wgrad's is the rank's token count): TE's own Python checks only a multiple of 8.
 FP8_ROWS_PER_RANK = 16
@@ -172,40 +174,6 @@ def _torch():
     return torch
 
 
-def block_stack(dim: int = DIM, hidden: int = 2 * DIM, depth: int = 2, out: int = 16, buffer: bool = False, seed: int = 0):
-    """A plain-torch stack of pre-norm MLP blocks (``Block``: LayerNorm, Linear, GELU, Linear) and a head.
-
-    ``buffer=True`` adds a persistent plain buffer ``scale`` (it is in ``state_dict()``; A5).
-    """
-    torch = _torch()
-    from support import toy_models
-
-    torch.manual_seed(seed)
-    return toy_models.BlockStack(dim, hidden, depth, out, buffer)
-
-
-def tiny_llama(hidden: int = DIM, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 2 * DIM,
-               vocab: int = 256, seed: int = 0, **config_kwargs):
-    """A small ``transformers`` ``LlamaForCausalLM`` built from a ``LlamaConfig`` (no download), fp32, eval-free."""
-    torch = _torch()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-        **config_kwargs,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
-
-
 def shard_llama_tp(model, mesh_tp, experts: str = "default"):
     """Shard ``model`` with transformers 5.x tensor parallelism on ``mesh_tp`` (1-D, on its own ranks).
 
@@ -241,19 +209,6 @@ def experts_tp_plan(model) -> dict:
             plan.update({f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise",
                          name: "moe_tp_experts"})
     return plan
-
-
-def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16, seed: int = 1):
-    torch = _torch()
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def dense_batch(dim: int = DIM, batch: int = 8, seed: int = 1):  # 8 tokens: TE FP8 GEMMs need multiples of 8
-    torch = _torch()
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, dim, generator=g), torch.randn(batch, 16, generator=g)
 
 
 # -- the accelerator --------------------------------------------------------------------------------------
@@ -383,37 +338,17 @@ CLIP = 0.5  # max grad norm in the training comparisons: small enough that clipp
 def _reference_losses(build, batch_fn, steps: int, lr: float):
     """(losses, grad norms before clipping) of the same model / data / optimizer trained undistributed in
     this process, clipped to ``CLIP`` (the oracle)."""
-    torch = _torch()
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, norms = [], []
-    for _ in range(steps):
-        loss = batch_fn(model)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses, norms
+    return train_reference(build, batch_fn, steps=steps, lr=lr, max_norm=CLIP)
 
 
-def _train(acc, model, opt, batch_fn, steps: int):
-    """(losses, grad norms ``accelerator.clip_grad_norm_`` returned) of ``steps`` clipped training steps."""
-    losses, norms = [], []
-    for _ in range(steps):
-        loss = batch_fn(model)
-        acc.backward(loss)
-        norm = acc.clip_grad_norm_(model.parameters(), CLIP)
-        # With the fixes on, float() as a training script logs it: the returned norm must already be the whole
-        # mesh's (A17). Stock accelerate (rehearsal-only runs) on torch 2.9 returns a Partial DTensor whose
-        # float() is one rank's share, so there the norm is gathered first.
-        if not fixes_active() and hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        norms.append(float(norm))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
-    return losses, norms
+def _train_and_compare(acc, model, opt, batch_fn, steps: int, build, lr: float, reference: bool) -> dict:
+    """{losses, grad_norms, reference_losses, reference_grad_norms}: ``steps`` clipped training steps through
+    ``acc`` (the norm as a training script logs it), then the undistributed oracle of ``build`` (None without
+    ``reference``); the tests judge them."""
+    facts = train_and_compare(model, batch_fn, (lambda: _reference_losses(build, batch_fn, steps, lr)) if reference
+                              else None, steps=steps, max_norm=CLIP, accelerator=acc, optimizer=opt)
+    del facts["mismatches"]
+    return facts
 
 
 def _mse(model):
@@ -438,9 +373,7 @@ def sc_fsdp2_train(rank, world_size, mixed_precision="no", dp_shard=None, cpu=Fa
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     model, opt = acc.prepare(model, opt)
     facts = {**state_facts(acc), **param_facts(model)}
-    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _mse, steps)
-    facts["reference_losses"], facts["reference_grad_norms"] = (
-        _reference_losses(block_stack, _mse, steps, lr) if mixed_precision == "no" else (None, None))
+    facts.update(_train_and_compare(acc, model, opt, _mse, steps, block_stack, lr, mixed_precision == "no"))
     facts["optimizer_params_dtensor"] = all(type(p).__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
     return facts
 
@@ -456,9 +389,7 @@ def sc_tp_train(rank, world_size, mixed_precision="no", steps=2, lr=0.1):
     facts = {**state_facts(acc)}
     model, opt = acc.prepare(model, opt)
     facts.update(param_facts(model))
-    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
-    facts["reference_losses"], facts["reference_grad_norms"] = (
-        _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else (None, None))
+    facts.update(_train_and_compare(acc, model, opt, _lm, steps, tiny_llama, lr, mixed_precision == "no"))
     return facts
 
 
@@ -569,9 +500,7 @@ def _prepare_and_train_llama(acc, model, facts, steps, lr, reference=True):
         facts["prepare_error"] = err(exc)
         return facts
     facts.update(param_facts(model))
-    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
-    facts["reference_losses"], facts["reference_grad_norms"] = (
-        _reference_losses(tiny_llama, _lm, steps, lr) if reference else (None, None))
+    facts.update(_train_and_compare(acc, model, opt, _lm, steps, tiny_llama, lr, reference))
     return facts
 
 
@@ -1001,7 +930,8 @@ def _launched_main(argv=None) -> int:
         facts["prepare_error"] = None
         facts.update(param_facts(model))
         te_reset()
-        facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _mse, args.steps)
+        facts["losses"], facts["grad_norms"] = train(model, _mse, steps=args.steps, max_norm=CLIP, accelerator=acc,
+                                                      optimizer=opt)
         facts["stats"] = _pick(te_stats())
     except Exception as exc:  # noqa: BLE001
         facts["prepare_error"] = err(exc)

@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import zoo_scenarios
@@ -91,7 +93,9 @@ def reference(steps: int = STEPS, family: str = "llama"):
     for module in model.modules():
         if hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
-    return fp8_scenarios.train_te_reference(model, recipe, zoo_scenarios.batch(), steps, zoo_scenarios.LR, CLIP)
+    data = zoo_scenarios.batch()
+    return train_reference(lambda: model, lambda m: m(**data).loss, steps=steps, lr=zoo_scenarios.LR, max_norm=CLIP,
+                           recipe=recipe)
 
 
 def _arguments(per_device: int, use_cpu: bool = False):

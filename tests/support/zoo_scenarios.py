@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
@@ -131,9 +133,10 @@ def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, re
     for module in model.modules():
         if fsdp2 and hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
-    small_grads = {}
-    losses, norms = fp8_scenarios.train_te_reference(model, te_recipe, batch(), steps, LR, 1e9, fp8=fp8,
-                                         after_first_backward=lambda m: small_grads.update(_small_param_grads(m)))
+    small_grads, data = {}, batch()
+    losses, norms = train_reference(lambda: model, lambda m: m(**data).loss, steps=steps, lr=LR, max_norm=1e9,
+                                    recipe=te_recipe, fp8=fp8,
+                                    after_first_backward=lambda m: small_grads.update(_small_param_grads(m)))
     return losses, norms, converted, small_grads
 
 
