@@ -3,6 +3,7 @@ tests/distributed/test_context_parallel.py. Each runs inside a rank and returns 
 
 from __future__ import annotations
 
+from accel_fp8_fix.testing import training
 from accel_fp8_fix.testing.training import train_reference
 
 from . import fp8_scenarios
@@ -244,10 +245,8 @@ def _cp_accelerator(family, dp_shard, cp, tp):
 def _cp_prepared(family, sizes, seed):
     import torch
 
-    from . import zoo_scenarios
-
     acc = _cp_accelerator(family, *sizes)
-    model = zoo_scenarios.build(family, seed=seed, attn_implementation="sdpa")
+    model = training.zoo_model(family, seed=seed, attn_implementation="sdpa")
     if sizes[2] > 1:
         model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=CP_LR, momentum=0.9)  # momentum: optimizer state to checkpoint
@@ -302,11 +301,9 @@ def cp_reference(family, steps):
     (losses, norms)."""
     from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
 
-    from . import zoo_scenarios
-
-    recipe = zoo_scenarios._recipe()
+    recipe = training.zoo_recipe()
     ids, shift = cp_batch()
-    return train_reference(lambda: zoo_scenarios.build(family, attn_implementation="sdpa"),
+    return train_reference(lambda: training.zoo_model(family, attn_implementation="sdpa"),
                            lambda model: model(input_ids=ids, labels=shift, shift_labels=shift).loss, steps=steps,
                            lr=CP_LR, momentum=0.9, max_norm=CP_CLIP, recipe=recipe, fsdp2_weight_path=True,
                            convert={"exclude": ("lm_head",), "dim_multiple": weight_multiple(recipe)})

@@ -90,7 +90,7 @@ def _zoo_reference(family, recipe, steps, fp8_weights):
     """:func:`_reference` of a model-zoo family on the zoo's batch (lm_head kept in high precision)."""
     from . import zoo_scenarios
 
-    return _reference(lambda: zoo_scenarios.build(family), recipe, steps, lambda m: m(**zoo_scenarios.batch()).loss,
+    return _reference(lambda: training.zoo_model(family), recipe, steps, lambda m: m(**zoo_scenarios.batch()).loss,
                       exclude=("lm_head",), fp8_weights=fp8_weights)
 
 
@@ -423,7 +423,7 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
                                  activation_checkpointing=accelerate_ac,
                                  mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                              reduce_dtype=torch.float32))
-        model = zoo_scenarios.build(family, seed=seed)
+        model = training.zoo_model(family, seed=seed)
         if accelerate_ac:  # stock too: the recompute would append this step's keys to the KV cache a second time
             model.config.use_cache = False
         if grad_ckpt:  # transformers' activation checkpointing (recompute routed through TE's checkpoint: A14)
@@ -570,7 +570,7 @@ def _moe_model(family):
     elif family.startswith("qwen3_moe_proportioned"):  # "..._6": 6 experts (uneven over 4 shard ranks: 2, 2, 2, 0)
         model = moe_scenarios._proportioned_qwen3_moe(experts=int(family.rsplit("_", 1)[1]) if family[-1].isdigit() else 32)
     else:
-        model = zoo_scenarios.build(family)
+        model = training.zoo_model(family)
     model.config._experts_implementation = "eager"
     return model
 

@@ -29,13 +29,10 @@ import sys
 import traceback
 
 from accel_fp8_fix.testing.training import DIM, block_stack, dense_batch, tiny_llama, token_batch, train_and_compare
-from accel_fp8_fix.testing.training import train, train_reference
-
-# -- environments -----------------------------------------------------------------------------------------
-_OFF = {"ACCELERATE_FP8_ACCEL_FP8_FIX": "0"}
-ENV_STOCK = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "0"}
-ENV_REHEARSAL = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "1"}
-ENV_FIXED = {**_OFF, "ACCEL_FP8_FIX": "1", "ACCEL_FP8_FIX_REHEARSAL": "1"}
+# the environments, as the suite names them (scenarios.ENV_FIXED ...): accel_fp8_fix.testing.training's
+from accel_fp8_fix.testing.training import ENV_FIXED, ENV_REHEARSAL, ENV_STOCK, ensure_te_on_cpu  # noqa: F401
+from accel_fp8_fix.testing.training import ensure_rehearsal
+from accel_fp8_fix.testing.training import make_accelerator, reset_accelerate, train, train_reference
 
 # cuBLASLt's per-tensor FP8 GEMMs on Hopper need every leading dimension a multiple of 16 (TE's
 # cublaslt_gemm.cu:159-163; a wgrad's is the rank's token count): TE's own Python checks only a multiple of 8.
@@ -95,31 +92,6 @@ def full_tensor(tensor):
     return out.to(tensor.to_local().device)
 
 
-def ensure_rehearsal(on: bool = True) -> None:
-    """Put the rehearsal gates in the state the scenario expects (activate / deactivate in this process)."""
-    from accel_fp8_fix.rehearsal import gates as rehearsal
-
-    if on:
-        rehearsal.activate()
-        import accelerate  # noqa: F401  (applies the wrappers now)
-
-        assert rehearsal.is_applied(), "rehearsal wrappers are not applied"
-    else:
-        rehearsal.deactivate()
-        assert not rehearsal.is_applied()
-
-
-def ensure_te_on_cpu() -> None:
-    """Transformer Engine's real Python on CPU (normally installed by the bootstrap with ACCEL_FP8_FIX_REHEARSAL=1)."""
-    from accel_fp8_fix.rehearsal import te_on_cpu
-
-    te_on_cpu.install()
-    from accelerate.utils import is_fp8_available, is_transformer_engine_available
-
-    assert is_transformer_engine_available() and is_fp8_available(), "Transformer Engine not visible to accelerate"
-    import transformer_engine.pytorch  # noqa: F401  (TE's Python, over the CPU kernel shim)
-
-
 def te_stats() -> dict:
     from accel_fp8_fix.rehearsal import te_on_cpu
 
@@ -147,14 +119,6 @@ def count_forward_gemms(modules: dict):
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
     return counts
-
-
-def reset_accelerate() -> None:
-    """Forget accelerate's singletons (keeps the process group), so the next Accelerator is built afresh."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def fixes_active() -> bool:
@@ -209,76 +173,6 @@ def experts_tp_plan(model) -> dict:
             plan.update({f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise",
                          name: "moe_tp_experts"})
     return plan
-
-
-# -- the accelerator --------------------------------------------------------------------------------------
-def make_accelerator(
-    fsdp: bool = True,
-    dp_shard: int | None = None,
-    dp_replicate: int | None = None,
-    tp: int | None = None,
-    mixed_precision: str = "fp8",
-    cpu_ram_efficient_loading: bool = False,
-    cpu: bool = False,
-    wrap_cls: list | None = None,
-    fp8_recipe: dict | None = None,
-    expect: str | None = "auto",
-    **plugin_kwargs,
-):
-    """A real ``Accelerator``: ``FullyShardedDataParallelPlugin(fsdp_version=2, ...)`` when ``fsdp``,
-    ``ParallelismConfig`` when any of ``dp_shard`` / ``dp_replicate`` / ``tp`` is given, ``TERecipeKwargs``
-    (``fp8_recipe``, default HYBRID delayed scaling) when ``mixed_precision="fp8"``.
-
-    ``expect`` is the ``DistributedType`` name that must result (``"FSDP"``, ``"MULTI_GPU"``, ``"MULTI_CPU"``,
-    ``"NO"``); ``"auto"``: ``FSDP`` with ``fsdp``, else ``MULTI_GPU`` (what the rehearsal gives); ``None``:
-    not checked (the caller asserts). For a rehearsal result it also asserts device cpu, backend gloo,
-    ``is_fsdp2`` and a mesh on "cpu" with the ParallelismConfig's dims.
-    """
-    reset_accelerate()
-    from accelerate import Accelerator
-    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, TERecipeKwargs
-
-    if mixed_precision == "fp8":
-        ensure_te_on_cpu()
-    plugin = None
-    if fsdp:
-        kwargs = dict(fsdp_version=2, cpu_ram_efficient_loading=cpu_ram_efficient_loading)
-        if wrap_cls:
-            kwargs.update(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=list(wrap_cls))
-        kwargs.update(plugin_kwargs)
-        plugin = FullyShardedDataParallelPlugin(**kwargs)
-    pc = None
-    if any(v is not None for v in (dp_shard, dp_replicate, tp)):
-        pc = ParallelismConfig(dp_shard_size=dp_shard or 1, dp_replicate_size=dp_replicate or 1, tp_size=tp or 1)
-    handlers = []
-    if mixed_precision == "fp8":
-        fp8_recipe = fp8_recipe or {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
-        if "recipe" in fp8_recipe:  # another TE recipe by name (accel_fp8_fix.te_recipe_kwargs)
-            from accel_fp8_fix.fixes.start.recipe_kwargs import te_recipe_kwargs
-
-            handlers.append(te_recipe_kwargs(**fp8_recipe))
-        else:
-            handlers.append(TERecipeKwargs(**fp8_recipe))
-    acc = Accelerator(
-        mixed_precision=mixed_precision, fsdp_plugin=plugin, parallelism_config=pc, kwargs_handlers=handlers or None, cpu=cpu
-    )
-    if expect == "auto":
-        expect = "FSDP" if fsdp else "MULTI_GPU"
-    if expect is not None:
-        found = acc.distributed_type.name
-        assert found == expect, f"expected DistributedType.{expect}, got {acc.distributed_type} (silent fallback?)"
-        if expect in ("FSDP", "MULTI_GPU"):
-            assert acc.device.type == "cpu", acc.device
-            assert acc.state.backend == "gloo", acc.state.backend
-            assert acc.num_processes == int(os.environ["WORLD_SIZE"]), acc.num_processes
-            if fsdp:
-                assert acc.is_fsdp2, "FSDP but not FSDP2"
-            if pc is not None:
-                mesh = acc.torch_device_mesh
-                assert mesh is not None and mesh.device_type == "cpu", mesh
-                want = tuple(n for n, s in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp)) if (s or 1) > 1)
-                assert tuple(mesh.mesh_dim_names) == want, (mesh.mesh_dim_names, want)
-    return acc
 
 
 # -- facts ------------------------------------------------------------------------------------------------

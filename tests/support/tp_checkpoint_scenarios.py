@@ -41,7 +41,7 @@ def _sizes(layout, world_size):
 
 def _model(seed, intermediate=128, family="llama"):
     if family != "llama":
-        return zoo_scenarios.build(family, seed=seed)
+        return training.zoo_model(family, seed=seed)
     return training.tiny_llama(seed=seed, kv_heads=4, intermediate=intermediate)
 
 
