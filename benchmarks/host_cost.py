@@ -31,28 +31,21 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.join(os.path.dirname(HERE), "tests")
+RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}  # the suite's (fp8_scenarios)
 DIM, DEPTH, ROWS = 64, 4, 16  # 16 rows a rank: cuBLASLt's FP8 wgrad needs a leading dimension of 16 (the rehearsal refuses 8)
 
 
-def _support():
-    if TESTS not in sys.path:
-        sys.path.insert(0, TESTS)
-    from support import fp8_scenarios
-    from support import scenarios
-
-    return scenarios, fp8_scenarios
-
-
-def _package_model(scenarios, fp8_scenarios, all_gather):
+def _package_model(all_gather):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from accel_fp8_fix.testing import training
+
     os.environ["ACCELERATE_FP8_ALL_GATHER"] = all_gather
-    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=fp8_scenarios.RECIPE,
-                             mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
-                                                                         reduce_dtype=torch.float32))
-    model = scenarios.block_stack(dim=DIM, hidden=2 * DIM, depth=DEPTH, seed=0)
+    acc = training.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE,
+                                    mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                                reduce_dtype=torch.float32))
+    model = training.block_stack(dim=DIM, hidden=2 * DIM, depth=DEPTH, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = acc.prepare(model, opt)
 
@@ -75,8 +68,9 @@ def _hand_model(mesh, group):
 
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
-    scenarios, _F = _support()
-    model = scenarios.block_stack(dim=DIM, hidden=2 * DIM, depth=DEPTH, seed=0)
+    from accel_fp8_fix.testing.training import block_stack
+
+    model = block_stack(dim=DIM, hidden=2 * DIM, depth=DEPTH, seed=0)
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -138,9 +132,10 @@ def measure(rank, world_size, steps, all_gather):
 
     import torch
 
-    scenarios, fp8_scenarios = _support()
-    scenarios.ensure_rehearsal(True)
-    acc, package_step = _package_model(scenarios, fp8_scenarios, all_gather)
+    from accel_fp8_fix.testing.training import ensure_rehearsal, reset_te_global_state
+
+    ensure_rehearsal(True)
+    acc, package_step = _package_model(all_gather)
     setup = acc.accel_fp8_fix
     hand_step = _hand_model(setup.mesh, setup.amax_group)
     g = torch.Generator().manual_seed(rank)
@@ -156,7 +151,7 @@ def measure(rank, world_size, steps, all_gather):
             step(x, y)
             times[name].append(time.perf_counter() - start)
     shares, top = _own_share(package_step, x, y, max(steps // 3, 10))
-    fp8_scenarios.reset_te_global_state()
+    reset_te_global_state()
     return {"package_s": statistics.median(times["package"]), "hand_s": statistics.median(times["hand"]),
             "shares": shares, "top": top, "weights_gathered_in_fp8": len(setup.all_gather.weights)
             if setup.all_gather else 0}
@@ -168,8 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--all-gather", default="high_precision", choices=("high_precision", "fp8"))
     args = parser.parse_args(argv)
-    scenarios, _F = _support()
     from accel_fp8_fix.testing import run_distributed
+    from accel_fp8_fix.testing.training import ENV_FIXED
 
     modes = ["high_precision"] + (["fp8"] if args.all_gather == "fp8" else [])
     print("| ranks | package path | package step (ms) | hand step (ms) | ratio | package self time | wrapt | "
@@ -178,7 +173,7 @@ def main(argv=None) -> int:
     tops = []
     for world in (int(w) for w in args.worlds.split(",")):
         for mode in modes:
-            results = run_distributed(measure, world, args=(args.steps, mode), env=scenarios.ENV_FIXED, timeout=600,
+            results = run_distributed(measure, world, args=(args.steps, mode), env=ENV_FIXED, timeout=600,
                                       init_process_group=False, audit_collectives=False)
             r = results[0]
             label = "stock all-gather" if mode == "high_precision" else f"FP8 all-gather ({r['weights_gathered_in_fp8']} weights)"

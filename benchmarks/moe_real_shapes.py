@@ -26,10 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.join(os.path.dirname(HERE), "tests")
 
 # (transformers config class, the published config.json values that set GEMM shapes, source)
 CONFIGS = {
@@ -181,13 +177,11 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="every packed-experts family on its default config")
     args = parser.parse_args()
     os.environ.setdefault("ACCEL_FP8_FIX_REHEARSAL", "1")  # TE's Python over the CPU kernel shim
-    if TESTS not in sys.path:
-        sys.path.insert(0, TESTS)
     import logging
 
-    from support import scenarios
+    from accel_fp8_fix.testing.training import ensure_te_on_cpu
 
-    scenarios.ensure_te_on_cpu()
+    ensure_te_on_cpu()
     logging.getLogger("accel_fp8_fix").setLevel(logging.ERROR)  # the conversion's "kept ..." warning: in the table
     sweep() if args.sweep else published()
     return 0

@@ -32,9 +32,6 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.join(os.path.dirname(HERE), "tests")
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,17 +45,15 @@ def main() -> None:
     from accel_fp8_fix.diagnostics import collective_order
 
     os.environ.setdefault(collective_order.FR_ENV, str(collective_order.FR_ENTRIES))  # before torch starts
-    if TESTS not in sys.path:
-        sys.path.insert(0, TESTS)
     import tempfile
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from support import scenarios, zoo_scenarios
+    from accel_fp8_fix.testing import training
 
-    scenarios.ensure_te_on_cpu()
+    training.ensure_te_on_cpu()
     import transformer_engine.pytorch as te
 
     from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
@@ -69,10 +64,10 @@ def main() -> None:
     store = tempfile.NamedTemporaryFile(delete=False)
     dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
 
-    model = zoo_scenarios.build("llama")
-    recipe = zoo_scenarios._recipe()
+    model = training.zoo_model("llama")
+    recipe = training.zoo_recipe()
     convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(recipe))
-    ids = torch.randint(0, zoo_scenarios.VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, training.ZOO_VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
 
     def steps(setting) -> float:
         started = time.perf_counter()
@@ -147,24 +142,21 @@ def main() -> None:
 
 def pool_starts(rounds: int) -> None:
     """Wall seconds to a ready 4-rank pool of the suite's main environment, forked vs started, alternating."""
-    if TESTS not in sys.path:
-        sys.path.insert(0, TESTS)
-    from support import launcher, scenarios
+    from accel_fp8_fix.testing.pool import RankPool, preload_for
+    from accel_fp8_fix.testing.training import ENV_FIXED
 
-    from accel_fp8_fix.testing.pool import RankPool
-
-    env = scenarios.ENV_FIXED
+    env = ENV_FIXED
     seconds: dict = {True: [], False: []}
     for round_ in range(rounds):
         for fork in ((True, False) if round_ % 2 == 0 else (False, True)):
-            pool = RankPool(4, env=env, preload=launcher.preload_for(env), fork=fork)
+            pool = RankPool(4, env=env, preload=preload_for(env), fork=fork)
             try:
                 pool._start()
                 seconds[fork].append(pool.start_seconds)
             finally:
                 pool.close()
     forked, started = statistics.median(seconds[True]), statistics.median(seconds[False])
-    print(f"4-rank pool start ({', '.join(sorted(env))}; preload {', '.join(launcher.preload_for(env))}), "
+    print(f"4-rank pool start ({', '.join(sorted(env))}; preload {', '.join(preload_for(env))}), "
           f"{rounds} rounds alternating: forked {forked:.1f} s, started {started:.1f} s (median), "
           f"forked / started {forked / started:.2f}")
 

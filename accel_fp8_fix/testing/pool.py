@@ -49,6 +49,16 @@ __all__ = ["RankPool"]
 # A rank that failed gets this long to report before its peers (stuck in a collective with it) are killed.
 _FAILURE_GRACE_S = 10.0
 
+PRELOAD = ("torch", "torch.distributed", "accelerate", "transformers")  # the suite's pools (tests/support/launcher.py)
+PRELOAD_TE = ("transformer_engine.pytorch",)  # with the rehearsal: TE's Python over the CPU shim
+
+
+def preload_for(env: dict) -> tuple:
+    """What a pool of ranks started with ``env`` imports before its baseline (and so what its first run finds
+    imported): torch, accelerate, transformers, and TE's Python where ``env`` turns the rehearsal on."""
+    rehearsal = env.get("ACCEL_FP8_FIX_REHEARSAL", "0") not in ("", "0")
+    return PRELOAD + (PRELOAD_TE if rehearsal else ())
+
 
 class RankPool:
     """``world_size`` interpreters started with ``env`` added to the environment (start-up variables such as the

@@ -10,6 +10,7 @@ pool checks that every rank's collectives agree, also when one EP rank gets no t
 
 import pytest
 
+from accel_fp8_fix.testing import training
 from support import ep_scenarios, scenarios
 
 PLAN = [("sc_ep", {"fp8": True}), ("sc_ep", {"fp8": False}), ("sc_ep", {"fp8": True, "skew": [0, 1]})]
@@ -102,11 +103,9 @@ def test_the_export_of_an_ep_model_loads_in_plain_transformers(launched):
     import torch
     import transformers
 
-    from support import zoo_scenarios
-
     (key,) = [k for k in launched[0] if k.startswith("sc_ep_checkpoint")]
     export = scenarios.facts_of(launched, key)[0]["export"]
-    zoo_scenarios.build("qwen3_moe").config.save_pretrained(export)  # save_model writes the weights only
+    training.zoo_model("qwen3_moe").config.save_pretrained(export)  # save_model writes the weights only
     model, info = transformers.AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     want = torch.load(f"{export}_reference.pt")
     assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -11,6 +11,7 @@ Scenarios: tests/support/moe_scenarios.py; one 2-rank launch (FSDP2; TP alone fo
 
 import pytest
 
+from accel_fp8_fix.testing import training
 from support import moe_scenarios
 from support import scenarios
 
@@ -46,9 +47,7 @@ def _facts(launched, kw):
 
 
 def _plain_parameter_names(family):
-    from support import zoo_scenarios
-
-    return sorted(n for n, _ in zoo_scenarios.build(family).named_parameters())
+    return sorted(n for n, _ in training.zoo_model(family).named_parameters())
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: f"{kw['family']}-{kw['layout']}-{'fp8' if kw['fp8'] else 'off'}")
@@ -95,7 +94,7 @@ def _check_trains_like_the_reference(facts, kw):
 def test_tp_layouts_and_coverage(launched, kw):
     from support import zoo_scenarios
 
-    replicated = kw.get("experts_tp") == "default" and not zoo_scenarios.experts_tp_sharded(zoo_scenarios.build(kw["family"]))
+    replicated = kw.get("experts_tp") == "default" and not zoo_scenarios.experts_tp_sharded(training.zoo_model(kw["family"]))
     for f in _facts(launched, kw):
         placements = f["expert_placements"]
         gate_up, down = (placements[f"model.layers.0.mlp.experts.{p}"] for p in ("gate_up_proj", "down_proj"))

@@ -16,7 +16,7 @@ from support.real_te import GemmSpy, reset_accelerate, single_rank_process_group
 
 from torch import nn  # noqa: E402
 
-from support.toy_models import Block  # noqa: E402
+from accel_fp8_fix.testing.training import Block  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ if not _FP8_OK:
 
 from torch import nn  # noqa: E402
 
-from support.toy_models import BlockStack  # noqa: E402
+from accel_fp8_fix.testing.training import BlockStack  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 DIM, HIDDEN, TOKENS = 128, 256, 32  # every GEMM dim a multiple of 16, tokens a multiple of 16

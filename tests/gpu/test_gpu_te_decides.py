@@ -24,7 +24,7 @@ from support.real_te import GemmSpy, reset_accelerate, single_rank_process_group
 
 from torch import nn  # noqa: E402
 
-from support.toy_models import BlockStack  # noqa: E402
+from accel_fp8_fix.testing.training import BlockStack  # noqa: E402
 
 DIM, HIDDEN, TOKENS = 128, 256, 32
 RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}

@@ -49,11 +49,13 @@ def test_wheel_ships_declarations_and_trampoline(wheel):
 
 def test_wheel_leaves_the_rank_pools_out_and_keeps_the_test_bed_and_the_audit(wheel, tmp_path):
     """The rank pools and their isolation are this project's suite machinery (source tree only); run_distributed,
-    testing.shared and the collective-order audit (diagnostics/) ship, and the test bed imports without them."""
+    testing.shared, the shared training harness (testing.training) and the collective-order audit (diagnostics/) ship,
+    and the test bed imports without them."""
     names = set(zipfile.ZipFile(wheel).namelist())
     assert not names & {f"accel_fp8_fix/testing/{m}.py" for m in ("pool", "_pool_worker", "isolation")}
     assert {"accel_fp8_fix/diagnostics/collective_order.py", "accel_fp8_fix/testing/__init__.py",
-            "accel_fp8_fix/testing/_worker.py", "accel_fp8_fix/testing/shared.py"} <= names
+            "accel_fp8_fix/testing/_worker.py", "accel_fp8_fix/testing/shared.py",
+            "accel_fp8_fix/testing/training.py"} <= names
     zipfile.ZipFile(wheel).extractall(tmp_path)
     script = ("import sys; from accel_fp8_fix.testing import run_distributed; "
               "from accel_fp8_fix.testing.shared import once_per_run; "

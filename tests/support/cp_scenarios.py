@@ -3,6 +3,9 @@ tests/distributed/test_context_parallel.py. Each runs inside a rank and returns 
 
 from __future__ import annotations
 
+from accel_fp8_fix.testing import training
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
@@ -242,10 +245,8 @@ def _cp_accelerator(family, dp_shard, cp, tp):
 def _cp_prepared(family, sizes, seed):
     import torch
 
-    from . import zoo_scenarios
-
     acc = _cp_accelerator(family, *sizes)
-    model = zoo_scenarios.build(family, seed=seed, attn_implementation="sdpa")
+    model = training.zoo_model(family, seed=seed, attn_implementation="sdpa")
     if sizes[2] > 1:
         model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=CP_LR, momentum=0.9)  # momentum: optimizer state to checkpoint
@@ -295,36 +296,17 @@ def cp_step(acc, model, opt, sizes):
 
 @fp8_scenarios.one_process_reference
 def cp_reference(family, steps):
-    """One process, the global batch, the family converted to TE (``lm_head`` kept, as the ranks keep it), FP8
-    delayed scaling without an amax group, SGD with momentum, clipped at CP_CLIP: (losses, norms)."""
-    import torch
-    import transformer_engine.pytorch as te
-
-    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
+    """One process, the global batch, the family converted to TE (``lm_head`` kept, as the ranks keep it; TE's FSDP2
+    weight path, as on the ranks), FP8 delayed scaling without an amax group, SGD with momentum, clipped at CP_CLIP:
+    (losses, norms)."""
     from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
-    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
-    from . import zoo_scenarios
-
-    model = zoo_scenarios.build(family, attn_implementation="sdpa")
-    recipe = zoo_scenarios._recipe()
-    convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(recipe))
-    for module in model.modules():
-        if hasattr(module, "fp8_meta"):
-            module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
-    opt = torch.optim.SGD(model.parameters(), lr=CP_LR, momentum=0.9)
+    recipe = training.zoo_recipe()
     ids, shift = cp_batch()
-    losses, norms = [], []
-    for _ in range(steps):
-        with te_autocast(te)(True, recipe, None):
-            loss = model(input_ids=ids, labels=shift, shift_labels=shift).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CP_CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    fp8_scenarios.reset_te_global_state()
-    return losses, norms
+    return train_reference(lambda: training.zoo_model(family, attn_implementation="sdpa"),
+                           lambda model: model(input_ids=ids, labels=shift, shift_labels=shift).loss, steps=steps,
+                           lr=CP_LR, momentum=0.9, max_norm=CP_CLIP, recipe=recipe, fsdp2_weight_path=True,
+                           convert={"exclude": ("lm_head",), "dim_multiple": weight_multiple(recipe)})
 
 
 def _snapshot(model):

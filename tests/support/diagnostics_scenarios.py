@@ -14,6 +14,8 @@ import os
 import sys
 import traceback
 
+from accel_fp8_fix.testing import training
+
 from . import fp8_scenarios
 from . import scenarios
 
@@ -316,7 +318,7 @@ def sc_stock_errors_explained(rank, world_size):
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=False, tp=world_size, mixed_precision="fp8", expect="MULTI_GPU")
     mesh = acc.torch_device_mesh
-    model = scenarios.shard_llama_tp(scenarios.tiny_llama(), mesh["tp"])
+    model = scenarios.shard_llama_tp(training.tiny_llama(), mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     facts = {"fixes_active": scenarios.fixes_active()}
 
@@ -350,11 +352,11 @@ def sc_stock_a2_audit(rank, world_size):
 
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"])
-    model = scenarios.block_stack()
+    model = training.block_stack()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
     scenarios.te_reset()
-    x, y = scenarios.dense_batch()
+    x, y = training.dense_batch()
     # the loss in fp32: torch 2.11's mse_loss backward returns an fp32 gradient for a bf16 input and a fp32 target
     torch.nn.functional.mse_loss(model(x).float(), y).backward()
     stats = scenarios.te_stats()

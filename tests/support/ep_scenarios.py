@@ -8,6 +8,9 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from accel_fp8_fix.testing import training
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import moe_scenarios
 from . import scenarios
@@ -54,14 +57,15 @@ def reference(family, fp8, steps, skew=None):
 
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
-    model = zoo_scenarios.build(family)
+    model = training.zoo_model(family)
     model.config._experts_implementation = "eager"
     if fp8:
         convert_after_sharding(model, te, exclude=("lm_head",))
-    amax = {}
+    amax, batch = {}, zoo_scenarios.batch()
     with _skewed_routing(model, skew) if skew else contextlib.nullcontext():
-        losses, norms = fp8_scenarios.train_te_reference(
-            model, moe_scenarios._recipe("delayed"), zoo_scenarios.batch(), steps, moe_scenarios.LR, 1e9, fp8=fp8,
+        losses, norms = train_reference(
+            lambda: model, lambda m: m(**batch).loss, steps=steps, lr=moe_scenarios.LR, max_norm=1e9,
+            recipe=moe_scenarios._recipe("delayed"), fp8=fp8,
             after_first_backward=lambda m: amax.update(_fwd_amax(m) if fp8 else {}))
     return losses, norms, amax
 
@@ -172,7 +176,7 @@ def _prepared_ep(family, fsdp, ep, seed=0, tp=None):
         fsdp=True, dp_shard=fsdp, tp=tp, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE,
         wrap_cls=[moe_scenarios.DECODER_LAYER[family]],
         mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
-    model = zoo_scenarios.build(family, seed=seed)
+    model = training.zoo_model(family, seed=seed)
     model.config._experts_implementation = "eager"
     model = scenarios.load_sharded_by_transformers(model, tp_size=tp or 1, fsdp_size=fsdp, ep_size=ep)  # ep None: no EP
     model.train()

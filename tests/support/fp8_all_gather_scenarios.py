@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 
+from accel_fp8_fix.testing import training
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
@@ -56,36 +59,23 @@ def _reference(build, kind, steps, loss_of, exclude=(), fp8_weights=False):
     ``fp8_weights`` TE quantizes the high-precision weights in its GEMM (what the switch-off run computes); with it
     every converted weight is quantized once per step as the FP8 all-gather does and handed to TE as a leaf whose
     gradient goes to the master weight (:func:`_fp8_weight_leaves`) — the FP8 all-gather without the all-gather."""
-    import torch
-    import transformer_engine.pytorch as te
-
-    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
     from accel_fp8_fix.internals import transformer_engine as te_internals
 
-    model = build()
-    convert_after_sharding(model, te, exclude=exclude)
-    for module in model.modules():
-        if hasattr(module, "fp8_meta"):
-            module._is_fsdp2 = True
     recipe = _te_recipe(kind)
     params = te_internals.scale_params(recipe)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for _ in range(steps):
-        leaves = _fp8_weight_leaves(model, params) if fp8_weights else []
-        with te_autocast(te)(True, recipe, None):
-            loss = loss_of(model)
-        loss.backward()
-        for module, name, master, leaf in leaves:
-            module._parameters[name] = master
-            master.grad = leaf.grad
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    _reset_te()
-    return losses, norms
+
+    def fp8_weight_leaves(model):
+        leaves = _fp8_weight_leaves(model, params)
+
+        def back_to_the_masters():
+            for module, name, master, leaf in leaves:
+                module._parameters[name] = master
+                master.grad = leaf.grad
+        return back_to_the_masters
+
+    return train_reference(build, loss_of, steps=steps, lr=LR, max_norm=CLIP, recipe=recipe,
+                           convert={"exclude": exclude}, fsdp2_weight_path=True,
+                           around_backward=fp8_weight_leaves if fp8_weights else None)
 
 
 @fp8_scenarios.one_process_reference
@@ -100,19 +90,17 @@ def _zoo_reference(family, recipe, steps, fp8_weights):
     """:func:`_reference` of a model-zoo family on the zoo's batch (lm_head kept in high precision)."""
     from . import zoo_scenarios
 
-    return _reference(lambda: zoo_scenarios.build(family), recipe, steps, lambda m: m(**zoo_scenarios.batch()).loss,
+    return _reference(lambda: training.zoo_model(family), recipe, steps, lambda m: m(**zoo_scenarios.batch()).loss,
                       exclude=("lm_head",), fp8_weights=fp8_weights)
 
 
-def linear_stack(dim=scenarios.DIM, depth=2, out=16, seed=0):
+def linear_stack(dim=training.DIM, depth=2, out=16, seed=0):
     """Blocks of two bias-free Linears (GELU between) and a bias-free head: every parameter FSDP2 gathers is a
     converted weight, so the all-gathered bytes divide by converted parameters exactly."""
     import torch
 
-    from . import toy_models
-
     torch.manual_seed(seed)
-    return toy_models.BlockStack(dim, 2 * dim, depth, out, norm=False, bias=False)
+    return training.BlockStack(dim, 2 * dim, depth, out, norm=False, bias=False)
 
 
 def _digest(acc, net):
@@ -147,10 +135,10 @@ def _peak_probe(model, te_mods):
 def _model_for(kind_of_model, dim, depth, out=16):
     if kind_of_model == "linear_stack":
         return lambda: linear_stack(dim=dim, depth=depth, out=out)
-    return lambda: scenarios.block_stack(dim=dim, hidden=2 * dim, depth=depth, seed=0)
+    return lambda: training.block_stack(dim=dim, hidden=2 * dim, depth=depth, seed=0)
 
 
-def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, model="block_stack", dim=scenarios.DIM,
+def sc_train(rank, world_size, all_gather="fp8", recipe="delayed", steps=STEPS, model="block_stack", dim=training.DIM,
              depth=2, policy="fp32", reshard=True, dp_replicate=None, dp_shard=None, reference=True, save_dir=None,
              load_dir=None, out=16, global_batch=GLOBAL_BATCH, bits=False, modify=None):
     """FSDP2 + FP8 with ``ACCELERATE_FP8_ALL_GATHER=all_gather``: losses and clipped grad norms per step (and the
@@ -435,7 +423,7 @@ def sc_llm(rank, world_size, family="llama", all_gather="fp8", dp_shard=None, dp
                                  activation_checkpointing=accelerate_ac,
                                  mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                              reduce_dtype=torch.float32))
-        model = zoo_scenarios.build(family, seed=seed)
+        model = training.zoo_model(family, seed=seed)
         if accelerate_ac:  # stock too: the recompute would append this step's keys to the KV cache a second time
             model.config.use_cache = False
         if grad_ckpt:  # transformers' activation checkpointing (recompute routed through TE's checkpoint: A14)
@@ -507,15 +495,15 @@ def sc_stale(rank, world_size):
     acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPES["delayed"],
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
-    net = scenarios.block_stack(seed=0)
+    net = training.block_stack(seed=0)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     net, opt = acc.prepare(net, opt)
-    x, y = _batch(scenarios.DIM)
+    x, y = _batch(training.DIM)
     acc.backward(torch.nn.functional.mse_loss(net(x).float(), y))
     opt.step()
     opt.zero_grad()
     try:
-        net.blocks[0](torch.randn(16, scenarios.DIM))
+        net.blocks[0](torch.randn(16, training.DIM))
     except Exception as exc:  # noqa: BLE001
         error = (type(exc).__name__, str(exc))
     else:
@@ -547,7 +535,7 @@ def sc_bad_input(rank, world_size, case):
                                  fp8_recipe=dict(RECIPES["block"], w_block_scaling_dim=1))
     else:
         raise AssertionError(case)
-    net = scenarios.block_stack(seed=0)
+    net = training.block_stack(seed=0)
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     try:
         acc.prepare(net, opt)
@@ -582,7 +570,7 @@ def _moe_model(family):
     elif family.startswith("qwen3_moe_proportioned"):  # "..._6": 6 experts (uneven over 4 shard ranks: 2, 2, 2, 0)
         model = moe_scenarios._proportioned_qwen3_moe(experts=int(family.rsplit("_", 1)[1]) if family[-1].isdigit() else 32)
     else:
-        model = zoo_scenarios.build(family)
+        model = training.zoo_model(family)
     model.config._experts_implementation = "eager"
     return model
 

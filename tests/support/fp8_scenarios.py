@@ -8,7 +8,9 @@ from __future__ import annotations
 import functools
 import os
 
+from accel_fp8_fix.testing import training
 from accel_fp8_fix.testing.shared import once_per_run
+from accel_fp8_fix.testing.training import reset_te_global_state, train_reference
 
 from . import scenarios
 
@@ -19,7 +21,7 @@ RECIPE = {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "
 CLIP = 0.9  # max grad norm: below the model's norm for the first steps, so clipping acts (asserted in the tests)
 
 
-def _global_batch(dim=scenarios.DIM, rows=GLOBAL_BATCH):
+def _global_batch(dim=training.DIM, rows=GLOBAL_BATCH):
     """The GLOBAL_BATCH samples, repeated to ``rows`` (a multiple): the same mean loss and gradients, so a 4-rank
     run (16 rows a rank) meets the same calibrated figures as a 2-rank one (the step-0 norm above CLIP)."""
     import torch
@@ -56,48 +58,19 @@ def one_process_reference(fn):
 @one_process_reference
 def _reference_fp8_losses(steps=STEPS, frozen=(), rows=GLOBAL_BATCH):
     """(losses, grad norms before clipping) of the same FP8 model trained in this one process on the full
-    batch, clipped to ``CLIP`` (no collectives: reduce_amax=False — one process already sees every sample's amax)."""
+    batch, clipped to ``CLIP`` (no collectives: reduce_amax=False — one process already sees every sample's amax).
+    TE takes another weight path under FSDP2 (module/base.py ``is_fsdp2``): the FP8 weight is not saved in forward
+    but re-quantized in backward with the scale updated at autocast exit. The reference takes the same path, so the
+    comparison is exact rather than FP8-resolution. The loss is taken after the autocast exits."""
     import torch
     import transformer_engine.common.recipe as te_recipe
-    import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
-    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
-
-    model = _freeze(scenarios.block_stack(seed=0), frozen)
-    convert_after_sharding(model, te)
-    for module in model.modules():
-        if hasattr(module, "fp8_meta"):
-            # TE takes another weight path under FSDP2 (module/base.py ``is_fsdp2``): the FP8 weight is not
-            # saved in forward but re-quantized in backward with the scale updated at autocast exit.
-            # The reference takes the same path, so the comparison is exact rather than FP8-resolution.
-            module._is_fsdp2 = True
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                       reduce_amax=False)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = _global_batch(rows=rows)
-    losses, norms = [], []
-    for _ in range(steps):
-        with te_autocast(te)(True, recipe, None):
-            out = model(x)
-        loss = torch.nn.functional.mse_loss(out.float(), y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    reset_te_global_state()
-    return losses, norms
-
-
-def reset_te_global_state():
-    """TE's global amax buffers outlive a model: a reference trained in a rank leaves none behind."""
-    try:
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-    except ImportError:  # TE < 2.9
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-
-    FP8GlobalStateManager.reset()
+    return train_reference(lambda: _freeze(training.block_stack(seed=0), frozen), lambda model: model(x), steps=steps,
+                           lr=LR, max_norm=CLIP, recipe=recipe, convert={}, fsdp2_weight_path=True,
+                           criterion=lambda out: torch.nn.functional.mse_loss(out.float(), y))
 
 
 # -- assertions shared by test_fsdp2_fp8.py and test_accelerate_versions.py ------------------------------
@@ -228,7 +201,7 @@ def sc_fsdp2_fp8_train(rank, world_size, dp_replicate=None, dp_shard=None, steps
                                                                          reduce_dtype=torch.float32))
     rows = scenarios.fp8_rows(GLOBAL_BATCH, world_size)
     reference, reference_norms = _reference_fp8_losses(steps, frozen, rows)
-    model = _freeze(scenarios.block_stack(seed=0), frozen)
+    model = _freeze(training.block_stack(seed=0), frozen)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
@@ -353,7 +326,7 @@ def sc_largest_allocation(rank, world_size):
     out = {}
     for label in ("patched", "stock"):
         acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
-        model = scenarios.block_stack(dim=256, seed=0)
+        model = training.block_stack(dim=256, seed=0)
         full = max(p.numel() for p in model.parameters())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         if label == "stock":
@@ -374,7 +347,7 @@ def sc_checkpoint_save(rank, world_size, out_dir):
 
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
-    model = scenarios.block_stack(seed=0)
+    model = training.block_stack(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     x, y = _global_batch()
@@ -406,7 +379,7 @@ def sc_checkpoint_load(rank, world_size, out_dir, recompute_entry=False):
 
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=RECIPE)
-    model = scenarios.block_stack(seed=123)  # different init: everything must come from the checkpoint
+    model = training.block_stack(seed=123)  # different init: everything must come from the checkpoint
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     sizes = {}
@@ -458,7 +431,7 @@ def sc_gradient_checkpointing_resume(rank, world_size, out_dir, steps=4, saved_a
                                          wrap_cls=["LlamaDecoderLayer"],
                                          mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                                      reduce_dtype=torch.float32))
-        model = scenarios.tiny_llama(seed=seed)
+        model = training.tiny_llama(seed=seed)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
@@ -466,7 +439,7 @@ def sc_gradient_checkpointing_resume(rank, world_size, out_dir, steps=4, saved_a
             acc.load_state(load)
         losses = []
         for step in range(first, last):
-            loss = model(**scenarios.token_batch(batch=2, seq=8, seed=1000 * step + rank)).loss
+            loss = model(**training.token_batch(batch=2, seq=8, seed=1000 * step + rank)).loss
             acc.backward(loss)
             opt.step()
             opt.zero_grad()
@@ -515,7 +488,7 @@ def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentr
                              wrap_cls=["LlamaDecoderLayer"] if llama else ["Block"],
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32), **kwargs)
-    model = scenarios.tiny_llama(seed=0) if llama else scenarios.block_stack(seed=0)
+    model = training.tiny_llama(seed=0) if llama else training.block_stack(seed=0)
     if how == "transformers":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -526,7 +499,7 @@ def sc_activation_checkpointing(rank, world_size, how, fix=True, steps=3, reentr
     try:
         for _ in range(steps):
             if llama:
-                loss = model(**scenarios.token_batch(batch=2, seq=8, seed=rank)).loss
+                loss = model(**training.token_batch(batch=2, seq=8, seed=rank)).loss
             else:
                 rows = scenarios.fp8_rows(GLOBAL_BATCH, world_size)
                 x, y = _global_batch(rows=rows)
@@ -571,9 +544,9 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
     g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(32 * world_size, scenarios.DIM, generator=g), torch.randn(32 * world_size, 16, generator=g)
+    x, y = torch.randn(32 * world_size, training.DIM, generator=g), torch.randn(32 * world_size, 16, generator=g)
     # the reference: same model and recipe, whole batch, one process (TE's FSDP2 weight path, as the ranks)
-    ref_model = scenarios.block_stack(seed=0)
+    ref_model = training.block_stack(seed=0)
     convert_after_sharding(ref_model, te, dim_multiple=32)  # head (64 -> 16) stays high precision, as on the ranks
     for module in ref_model.modules():
         if hasattr(module, "fp8_meta"):
@@ -589,7 +562,7 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
         ref_opt.zero_grad()
         reference.append(float(loss))
     reset_te_global_state()
-    model = scenarios.block_stack(seed=0)
+    model = training.block_stack(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
@@ -611,29 +584,3 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
             "reference": reference, "fp8_gemms_fwd": stats["fp8_gemms_fwd"], "fp8_gemms_bwd": stats["fp8_gemms_bwd"],
             "non_fp8_gemms": stats["non_fp8_gemms"], "mxfp8_casts": stats.get("quantize_MXFP8Quantizer", 0),
             "amax_reductions": stats["amax_reductions"], "extra_state_sizes": sorted(set(extra.values()))}
-
-
-def train_te_reference(model, recipe, batch: dict, steps: int, lr: float, max_norm: float, fp8: bool = True,
-                       after_first_backward=None) -> tuple[list, list]:
-    """One process, the TE-converted ``model`` trained with SGD under TE autocast (FP8 on unless ``fp8=False``; no
-    amax group): the losses and clipped grad norms per step the multi-rank runs are compared with.
-    ``after_first_backward(model)`` runs once, with step 0's gradients in place (e.g. to keep some of them)."""
-    import torch
-    import transformer_engine.pytorch as te
-
-    from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
-
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, norms = [], []
-    for step in range(steps):
-        with te_autocast(te)(fp8, recipe, None):
-            loss = model(**batch).loss
-        loss.backward()
-        if step == 0 and after_first_backward is not None:
-            after_first_backward(model)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    reset_te_global_state()
-    return losses, norms

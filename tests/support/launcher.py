@@ -19,10 +19,7 @@ import os
 from collections import OrderedDict
 
 from accel_fp8_fix.testing import run_distributed
-from accel_fp8_fix.testing.pool import RankPool
-
-PRELOAD = ("torch", "torch.distributed", "accelerate", "transformers")
-PRELOAD_TE = ("transformer_engine.pytorch",)  # with the rehearsal: TE's Python over the CPU shim
+from accel_fp8_fix.testing.pool import RankPool, preload_for
 
 _POOLS: OrderedDict = OrderedDict()
 STATS = {"runs": 0, "fresh": 0, "pools": 0, "starts": 0, "start_s": 0.0}
@@ -59,12 +56,6 @@ def pool_for(world_size: int, env: dict | None) -> RankPool:
     _make_room(world_size)
     _POOLS[key] = RankPool(world_size, env=env, preload=preload_for(env))
     return _POOLS[key]
-
-
-def preload_for(env: dict) -> tuple:
-    """What a pool's ranks import before their baseline (and so what its first run finds imported)."""
-    rehearsal = env.get("ACCEL_FP8_FIX_REHEARSAL", "0") not in ("", "0")
-    return PRELOAD + (PRELOAD_TE if rehearsal else ())
 
 
 def run(fn, world_size: int, *, args: tuple = (), env: dict | None = None, timeout: float = 150.0,

@@ -9,6 +9,9 @@ import contextlib
 import copy
 import warnings
 
+from accel_fp8_fix.testing import training
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
@@ -67,7 +70,7 @@ def _routing(family, zero_experts=()):
     """(hidden [T, H], top_k_index, top_k_weights) from the model's own router; ``zero_experts`` never chosen."""
     import torch
 
-    model = zoo_scenarios.build(family)
+    model = training.zoo_model(family)
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(TOKENS, 64, generator=g)
     mlp = model.model.layers[0].mlp
@@ -158,7 +161,7 @@ def _experts_case(family, zero_experts=(), recipes=("delayed", "current")) -> di
     hidden, index, weights = _routing(family, zero_experts)
     grad = torch.randn(TOKENS, 64, generator=torch.Generator().manual_seed(4))
     facts = {"counts": torch.bincount(index.reshape(-1), minlength=4).tolist()}
-    model = zoo_scenarios.build(family)
+    model = training.zoo_model(family)
     experts = _experts_of(model)
     eager, grouped_mm = _eager(experts), _eager(experts, "grouped_mm")
     want = _run_experts(eager, hidden, index, weights, grad)
@@ -184,7 +187,7 @@ def _experts_case(family, zero_experts=(), recipes=("delayed", "current")) -> di
         facts[f"fp8_{kind}_splits"], facts[f"fp8_{kind}_stats"] = list(seen), scenarios.te_stats()
         fp8_scenarios.reset_te_global_state()
         if kind == "current":  # stateless scaling: a te.Linear per expert quantizes exactly as the grouped GEMM
-            loop_model = zoo_scenarios.build(family)
+            loop_model = training.zoo_model(family)
             loop = _te_linear_loop(_experts_of(loop_model), hidden, index, weights, grad,
                                    te_autocast(te)(True, _recipe(kind), None))
             facts["fp8_current_vs_te_linear_loop"] = _compare(got, loop)
@@ -201,7 +204,7 @@ def _model_case(family) -> dict:
     from accel_fp8_fix.fixes.convert.moe_experts import convert_experts
 
     te = _te()
-    ref, model = zoo_scenarios.build(family), zoo_scenarios.build(family)
+    ref, model = training.zoo_model(family), training.zoo_model(family)
     ref.config._experts_implementation = "eager"
     convert_experts(model, te)
     data = zoo_scenarios.batch()
@@ -227,7 +230,7 @@ def _state_dict_case(family) -> dict:
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
     te = _te()
-    plain, model = zoo_scenarios.build(family), zoo_scenarios.build(family)
+    plain, model = training.zoo_model(family), training.zoo_model(family)
     before = {n: id(p) for n, p in model.named_parameters()}
     report = convert_after_sharding(model, te)
     sd, ref = model.state_dict(), plain.state_dict()
@@ -254,7 +257,7 @@ def _coverage_case(family) -> dict:
     from accel_fp8_fix.internals.transformer_engine import gemms_per_forward
 
     te = _te()
-    model = zoo_scenarios.build(family)
+    model = training.zoo_model(family)
     recipe = _recipe("delayed")
     report = convert_after_sharding(model, te)
     with torch.no_grad(), te_autocast(te)(True, recipe, None):
@@ -320,13 +323,14 @@ def reference(family, fp8, convert, steps=STEPS):
 
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
-    model = zoo_scenarios.build(family)
+    model = training.zoo_model(family)
     model.config._experts_implementation = "eager"
     if convert:
         convert_after_sharding(model, te, exclude=("lm_head",))
-    grads = {}
-    losses, norms = fp8_scenarios.train_te_reference(model, _recipe("delayed"), zoo_scenarios.batch(), steps, LR, 1e9, fp8=fp8,
-                                         after_first_backward=lambda m: grads.update(_expert_grads(m)))
+    grads, batch = {}, zoo_scenarios.batch()
+    losses, norms = train_reference(lambda: model, lambda m: m(**batch).loss, steps=steps, lr=LR, max_norm=1e9,
+                                    recipe=_recipe("delayed"), fp8=fp8,
+                                    after_first_backward=lambda m: grads.update(_expert_grads(m)))
     return losses, norms, grads
 
 
@@ -340,7 +344,7 @@ def _prepared(family, layout, experts_tp="tp"):
              "wrap_cls": [DECODER_LAYER[family]]} if fsdp else {}
     acc = scenarios.make_accelerator(fsdp=fsdp, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, mixed_precision="fp8",
                              fp8_recipe=fp8_scenarios.RECIPE, expect="FSDP" if fsdp else "MULTI_GPU", **extra)
-    model = zoo_scenarios.build(family)
+    model = training.zoo_model(family)
     model.config._experts_implementation = "eager"
     if tp:
         model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"], experts=experts_tp)

@@ -28,13 +28,12 @@ import os
 import sys
 import traceback
 
-# -- environments -----------------------------------------------------------------------------------------
-_OFF = {"ACCELERATE_FP8_ACCEL_FP8_FIX": "0"}
-ENV_STOCK = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "0"}
-ENV_REHEARSAL = {**_OFF, "ACCEL_FP8_FIX": "0", "ACCEL_FP8_FIX_REHEARSAL": "1"}
-ENV_FIXED = {**_OFF, "ACCEL_FP8_FIX": "1", "ACCEL_FP8_FIX_REHEARSAL": "1"}
+from accel_fp8_fix.testing.training import DIM, block_stack, dense_batch, tiny_llama, token_batch, train_and_compare
+# the environments, as the suite names them (scenarios.ENV_FIXED ...): accel_fp8_fix.testing.training's
+from accel_fp8_fix.testing.training import ENV_FIXED, ENV_REHEARSAL, ENV_STOCK, ensure_te_on_cpu  # noqa: F401
+from accel_fp8_fix.testing.training import ensure_rehearsal
+from accel_fp8_fix.testing.training import make_accelerator, reset_accelerate, train, train_reference
 
-DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
 # cuBLASLt's per-tensor FP8 GEMMs on Hopper need every leading dimension a multiple of 16 (TE's
 # cublaslt_gemm.cu:159-163; a wgrad's is the rank's token count): TE's own Python checks only a multiple of 8.
 FP8_ROWS_PER_RANK = 16
@@ -93,31 +92,6 @@ def full_tensor(tensor):
     return out.to(tensor.to_local().device)
 
 
-def ensure_rehearsal(on: bool = True) -> None:
-    """Put the rehearsal gates in the state the scenario expects (activate / deactivate in this process)."""
-    from accel_fp8_fix.rehearsal import gates as rehearsal
-
-    if on:
-        rehearsal.activate()
-        import accelerate  # noqa: F401  (applies the wrappers now)
-
-        assert rehearsal.is_applied(), "rehearsal wrappers are not applied"
-    else:
-        rehearsal.deactivate()
-        assert not rehearsal.is_applied()
-
-
-def ensure_te_on_cpu() -> None:
-    """Transformer Engine's real Python on CPU (normally installed by the bootstrap with ACCEL_FP8_FIX_REHEARSAL=1)."""
-    from accel_fp8_fix.rehearsal import te_on_cpu
-
-    te_on_cpu.install()
-    from accelerate.utils import is_fp8_available, is_transformer_engine_available
-
-    assert is_transformer_engine_available() and is_fp8_available(), "Transformer Engine not visible to accelerate"
-    import transformer_engine.pytorch  # noqa: F401  (TE's Python, over the CPU kernel shim)
-
-
 def te_stats() -> dict:
     from accel_fp8_fix.rehearsal import te_on_cpu
 
@@ -147,14 +121,6 @@ def count_forward_gemms(modules: dict):
     return counts
 
 
-def reset_accelerate() -> None:
-    """Forget accelerate's singletons (keeps the process group), so the next Accelerator is built afresh."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def fixes_active() -> bool:
     import accel_fp8_fix
 
@@ -170,40 +136,6 @@ def _torch():
     import torch
 
     return torch
-
-
-def block_stack(dim: int = DIM, hidden: int = 2 * DIM, depth: int = 2, out: int = 16, buffer: bool = False, seed: int = 0):
-    """A plain-torch stack of pre-norm MLP blocks (``Block``: LayerNorm, Linear, GELU, Linear) and a head.
-
-    ``buffer=True`` adds a persistent plain buffer ``scale`` (it is in ``state_dict()``; A5).
-    """
-    torch = _torch()
-    from support import toy_models
-
-    torch.manual_seed(seed)
-    return toy_models.BlockStack(dim, hidden, depth, out, buffer)
-
-
-def tiny_llama(hidden: int = DIM, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 2 * DIM,
-               vocab: int = 256, seed: int = 0, **config_kwargs):
-    """A small ``transformers`` ``LlamaForCausalLM`` built from a ``LlamaConfig`` (no download), fp32, eval-free."""
-    torch = _torch()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-        **config_kwargs,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
 
 
 def shard_llama_tp(model, mesh_tp, experts: str = "default"):
@@ -241,89 +173,6 @@ def experts_tp_plan(model) -> dict:
             plan.update({f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise",
                          name: "moe_tp_experts"})
     return plan
-
-
-def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16, seed: int = 1):
-    torch = _torch()
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def dense_batch(dim: int = DIM, batch: int = 8, seed: int = 1):  # 8 tokens: TE FP8 GEMMs need multiples of 8
-    torch = _torch()
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, dim, generator=g), torch.randn(batch, 16, generator=g)
-
-
-# -- the accelerator --------------------------------------------------------------------------------------
-def make_accelerator(
-    fsdp: bool = True,
-    dp_shard: int | None = None,
-    dp_replicate: int | None = None,
-    tp: int | None = None,
-    mixed_precision: str = "fp8",
-    cpu_ram_efficient_loading: bool = False,
-    cpu: bool = False,
-    wrap_cls: list | None = None,
-    fp8_recipe: dict | None = None,
-    expect: str | None = "auto",
-    **plugin_kwargs,
-):
-    """A real ``Accelerator``: ``FullyShardedDataParallelPlugin(fsdp_version=2, ...)`` when ``fsdp``,
-    ``ParallelismConfig`` when any of ``dp_shard`` / ``dp_replicate`` / ``tp`` is given, ``TERecipeKwargs``
-    (``fp8_recipe``, default HYBRID delayed scaling) when ``mixed_precision="fp8"``.
-
-    ``expect`` is the ``DistributedType`` name that must result (``"FSDP"``, ``"MULTI_GPU"``, ``"MULTI_CPU"``,
-    ``"NO"``); ``"auto"``: ``FSDP`` with ``fsdp``, else ``MULTI_GPU`` (what the rehearsal gives); ``None``:
-    not checked (the caller asserts). For a rehearsal result it also asserts device cpu, backend gloo,
-    ``is_fsdp2`` and a mesh on "cpu" with the ParallelismConfig's dims.
-    """
-    reset_accelerate()
-    from accelerate import Accelerator
-    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig, TERecipeKwargs
-
-    if mixed_precision == "fp8":
-        ensure_te_on_cpu()
-    plugin = None
-    if fsdp:
-        kwargs = dict(fsdp_version=2, cpu_ram_efficient_loading=cpu_ram_efficient_loading)
-        if wrap_cls:
-            kwargs.update(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=list(wrap_cls))
-        kwargs.update(plugin_kwargs)
-        plugin = FullyShardedDataParallelPlugin(**kwargs)
-    pc = None
-    if any(v is not None for v in (dp_shard, dp_replicate, tp)):
-        pc = ParallelismConfig(dp_shard_size=dp_shard or 1, dp_replicate_size=dp_replicate or 1, tp_size=tp or 1)
-    handlers = []
-    if mixed_precision == "fp8":
-        fp8_recipe = fp8_recipe or {"fp8_format": "HYBRID", "amax_history_len": 16, "amax_compute_algo": "max"}
-        if "recipe" in fp8_recipe:  # another TE recipe by name (accel_fp8_fix.te_recipe_kwargs)
-            from accel_fp8_fix.fixes.start.recipe_kwargs import te_recipe_kwargs
-
-            handlers.append(te_recipe_kwargs(**fp8_recipe))
-        else:
-            handlers.append(TERecipeKwargs(**fp8_recipe))
-    acc = Accelerator(
-        mixed_precision=mixed_precision, fsdp_plugin=plugin, parallelism_config=pc, kwargs_handlers=handlers or None, cpu=cpu
-    )
-    if expect == "auto":
-        expect = "FSDP" if fsdp else "MULTI_GPU"
-    if expect is not None:
-        found = acc.distributed_type.name
-        assert found == expect, f"expected DistributedType.{expect}, got {acc.distributed_type} (silent fallback?)"
-        if expect in ("FSDP", "MULTI_GPU"):
-            assert acc.device.type == "cpu", acc.device
-            assert acc.state.backend == "gloo", acc.state.backend
-            assert acc.num_processes == int(os.environ["WORLD_SIZE"]), acc.num_processes
-            if fsdp:
-                assert acc.is_fsdp2, "FSDP but not FSDP2"
-            if pc is not None:
-                mesh = acc.torch_device_mesh
-                assert mesh is not None and mesh.device_type == "cpu", mesh
-                want = tuple(n for n, s in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp)) if (s or 1) > 1)
-                assert tuple(mesh.mesh_dim_names) == want, (mesh.mesh_dim_names, want)
-    return acc
 
 
 # -- facts ------------------------------------------------------------------------------------------------
@@ -383,37 +232,17 @@ CLIP = 0.5  # max grad norm in the training comparisons: small enough that clipp
 def _reference_losses(build, batch_fn, steps: int, lr: float):
     """(losses, grad norms before clipping) of the same model / data / optimizer trained undistributed in
     this process, clipped to ``CLIP`` (the oracle)."""
-    torch = _torch()
-    model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, norms = [], []
-    for _ in range(steps):
-        loss = batch_fn(model)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses, norms
+    return train_reference(build, batch_fn, steps=steps, lr=lr, max_norm=CLIP)
 
 
-def _train(acc, model, opt, batch_fn, steps: int):
-    """(losses, grad norms ``accelerator.clip_grad_norm_`` returned) of ``steps`` clipped training steps."""
-    losses, norms = [], []
-    for _ in range(steps):
-        loss = batch_fn(model)
-        acc.backward(loss)
-        norm = acc.clip_grad_norm_(model.parameters(), CLIP)
-        # With the fixes on, float() as a training script logs it: the returned norm must already be the whole
-        # mesh's (A17). Stock accelerate (rehearsal-only runs) on torch 2.9 returns a Partial DTensor whose
-        # float() is one rank's share, so there the norm is gathered first.
-        if not fixes_active() and hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        norms.append(float(norm))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
-    return losses, norms
+def _train_and_compare(acc, model, opt, batch_fn, steps: int, build, lr: float, reference: bool) -> dict:
+    """{losses, grad_norms, reference_losses, reference_grad_norms}: ``steps`` clipped training steps through
+    ``acc`` (the norm as a training script logs it), then the undistributed oracle of ``build`` (None without
+    ``reference``); the tests judge them."""
+    facts = train_and_compare(model, batch_fn, (lambda: _reference_losses(build, batch_fn, steps, lr)) if reference
+                              else None, steps=steps, max_norm=CLIP, accelerator=acc, optimizer=opt)
+    del facts["mismatches"]
+    return facts
 
 
 def _mse(model):
@@ -438,9 +267,7 @@ def sc_fsdp2_train(rank, world_size, mixed_precision="no", dp_shard=None, cpu=Fa
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     model, opt = acc.prepare(model, opt)
     facts = {**state_facts(acc), **param_facts(model)}
-    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _mse, steps)
-    facts["reference_losses"], facts["reference_grad_norms"] = (
-        _reference_losses(block_stack, _mse, steps, lr) if mixed_precision == "no" else (None, None))
+    facts.update(_train_and_compare(acc, model, opt, _mse, steps, block_stack, lr, mixed_precision == "no"))
     facts["optimizer_params_dtensor"] = all(type(p).__name__ == "DTensor" for g in opt.param_groups for p in g["params"])
     return facts
 
@@ -456,9 +283,7 @@ def sc_tp_train(rank, world_size, mixed_precision="no", steps=2, lr=0.1):
     facts = {**state_facts(acc)}
     model, opt = acc.prepare(model, opt)
     facts.update(param_facts(model))
-    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
-    facts["reference_losses"], facts["reference_grad_norms"] = (
-        _reference_losses(tiny_llama, _lm, steps, lr) if mixed_precision == "no" else (None, None))
+    facts.update(_train_and_compare(acc, model, opt, _lm, steps, tiny_llama, lr, mixed_precision == "no"))
     return facts
 
 
@@ -569,9 +394,7 @@ def _prepare_and_train_llama(acc, model, facts, steps, lr, reference=True):
         facts["prepare_error"] = err(exc)
         return facts
     facts.update(param_facts(model))
-    facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _lm, steps)
-    facts["reference_losses"], facts["reference_grad_norms"] = (
-        _reference_losses(tiny_llama, _lm, steps, lr) if reference else (None, None))
+    facts.update(_train_and_compare(acc, model, opt, _lm, steps, tiny_llama, lr, reference))
     return facts
 
 
@@ -1001,7 +824,8 @@ def _launched_main(argv=None) -> int:
         facts["prepare_error"] = None
         facts.update(param_facts(model))
         te_reset()
-        facts["losses"], facts["grad_norms"] = _train(acc, model, opt, _mse, args.steps)
+        facts["losses"], facts["grad_norms"] = train(model, _mse, steps=args.steps, max_norm=CLIP, accelerator=acc,
+                                                      optimizer=opt)
         facts["stats"] = _pick(te_stats())
     except Exception as exc:  # noqa: BLE001
         facts["prepare_error"] = err(exc)

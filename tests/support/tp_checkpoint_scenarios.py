@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from accel_fp8_fix.testing import training
+
 from . import fp8_scenarios
 from . import scenarios
 from . import zoo_scenarios
@@ -39,8 +41,8 @@ def _sizes(layout, world_size):
 
 def _model(seed, intermediate=128, family="llama"):
     if family != "llama":
-        return zoo_scenarios.build(family, seed=seed)
-    return scenarios.tiny_llama(seed=seed, kv_heads=4, intermediate=intermediate)
+        return training.zoo_model(family, seed=seed)
+    return training.tiny_llama(seed=seed, kv_heads=4, intermediate=intermediate)
 
 
 def _batches(step):
@@ -217,7 +219,7 @@ def sc_3d(rank, world_size, out_dir, steps=4):
                              wrap_cls=["LlamaDecoderLayer"],
                              mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                          reduce_dtype=torch.float32))
-    model = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
+    model = scenarios.shard_llama_tp(training.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=tp_scenarios.LR)
     model, opt = acc.prepare(model, opt)
     setup = acc.accel_fp8_fix
@@ -250,7 +252,7 @@ def sc_3d(rank, world_size, out_dir, steps=4):
                               wrap_cls=["LlamaDecoderLayer"],
                               mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                           reduce_dtype=torch.float32))
-    model2 = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=99), acc2.torch_device_mesh["tp"])
+    model2 = scenarios.shard_llama_tp(training.tiny_llama(seed=99), acc2.torch_device_mesh["tp"])
     opt2 = torch.optim.SGD(model2.parameters(), lr=tp_scenarios.LR)
     model2, opt2 = acc2.prepare(model2, opt2)
     acc2.load_state(path)

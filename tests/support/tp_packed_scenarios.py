@@ -4,7 +4,7 @@ which transformers' ``packed_colwise`` TP style shards with ``_StridedShard(1, s
 
 ``sc_packed_stock_dcp`` saves the prepared model's state dict with torch DCP directly (what the DCP planner makes
 of the packed layout: "overlapping chunks"). ``sc_packed_save`` trains the tiny Qwen3-MoE of
-``zoo_scenarios.build("qwen3_moe")`` a few AdamW steps, ``save_state``s it (sharded DCP), writes the full trained
+``training.zoo_model("qwen3_moe")`` (accel_fp8_fix.testing) a few AdamW steps, ``save_state``s it (sharded DCP), writes the full trained
 weights / optimizer state / FP8 state beside it (rank 0), reads the checkpoint's metadata and converts it with
 ``dcp_to_torch_save`` (rank 0), then trains on. ``sc_packed_resume`` loads it into a differently initialised model
 on another (or the same) layout and world size, compares everything bit for bit and trains the same steps.

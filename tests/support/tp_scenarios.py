@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import warnings
 
+from accel_fp8_fix.testing import training
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
@@ -40,14 +43,15 @@ def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP, intermediate=None
 
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
-    model = scenarios.tiny_llama(seed=0, **_sizes(intermediate))
+    model = training.tiny_llama(seed=0, **_sizes(intermediate))
     convert_after_sharding(model, te, exclude=tuple(keep))
     for module in model.modules():
         if fsdp2 and hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                       reduce_amax=False)
-    return fp8_scenarios.train_te_reference(model, recipe, _batch(), steps, LR, max_norm)
+    data = _batch()
+    return train_reference(lambda: model, lambda m: m(**data).loss, steps=steps, lr=LR, max_norm=max_norm, recipe=recipe)
 
 
 def _sizes(intermediate):
@@ -78,7 +82,7 @@ def sc_tp_fp8_train(rank, world_size, dp_shard=None, tp=2, steps=STEPS, clip=Tru
                                                    intermediate=intermediate,
                                                    keep=("lm_head",) + (_mlp() if misfit else ()))
     mesh = acc.torch_device_mesh
-    model = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=0, **_sizes(intermediate)), mesh["tp"])
+    model = scenarios.shard_llama_tp(training.tiny_llama(seed=0, **_sizes(intermediate)), mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with CollectiveSpy() as prepare_spy, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -151,7 +155,7 @@ def sc_tp_checkpoint_save(rank, world_size, out_dir, dp_shard=2, tp=2):
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE,
                              wrap_cls=["LlamaDecoderLayer"])
-    model = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
+    model = scenarios.shard_llama_tp(training.tiny_llama(seed=0), acc.torch_device_mesh["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     for _ in range(2):
@@ -178,7 +182,7 @@ def sc_tp_checkpoint_load(rank, world_size, out_dir, dp_shard=2, tp=2):
     tp_on = tp is not None and tp > 1
     acc = scenarios.make_accelerator(fsdp=True, dp_shard=dp_shard, tp=tp if tp_on else None, mixed_precision="fp8",
                              fp8_recipe=RECIPE, wrap_cls=["LlamaDecoderLayer"])
-    model = scenarios.tiny_llama(seed=99)  # different init: everything must come from the checkpoint
+    model = training.tiny_llama(seed=99)  # different init: everything must come from the checkpoint
     if tp_on:
         model = scenarios.shard_llama_tp(model, acc.torch_device_mesh["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -206,7 +210,7 @@ def sc_tp_heads_misfit(rank, world_size, tp=2, heads=4, kv_heads=1):
 
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=False, tp=tp, mixed_precision="fp8", fp8_recipe=RECIPE, expect=None)
-    model = scenarios.shard_llama_tp(scenarios.tiny_llama(seed=0, heads=heads, kv_heads=kv_heads), acc.torch_device_mesh["tp"])
+    model = scenarios.shard_llama_tp(training.tiny_llama(seed=0, heads=heads, kv_heads=kv_heads), acc.torch_device_mesh["tp"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     try:
         model, opt = acc.prepare(model, opt)

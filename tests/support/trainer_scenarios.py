@@ -18,6 +18,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from accel_fp8_fix.testing import training
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import zoo_scenarios
@@ -84,14 +87,16 @@ def reference(steps: int = STEPS, family: str = "llama"):
     from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
-    model = zoo_scenarios.build(family)
+    model = training.zoo_model(family)
     model.config._experts_implementation = "eager"
-    recipe = zoo_scenarios._recipe()
+    recipe = training.zoo_recipe()
     convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(recipe))
     for module in model.modules():
         if hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
-    return fp8_scenarios.train_te_reference(model, recipe, zoo_scenarios.batch(), steps, zoo_scenarios.LR, CLIP)
+    data = zoo_scenarios.batch()
+    return train_reference(lambda: model, lambda m: m(**data).loss, steps=steps, lr=zoo_scenarios.LR, max_norm=CLIP,
+                           recipe=recipe)
 
 
 def _arguments(per_device: int, use_cpu: bool = False):
@@ -120,7 +125,7 @@ def _train(args, layout, per_device, ref_losses, ref_norms):
     from transformers import Trainer
 
     args.device  # noqa: B018  (TrainingArguments creates the PartialState, as in a script: before the model is loaded)
-    model = zoo_scenarios.build(FAMILY.get(layout, "llama"))
+    model = training.zoo_model(FAMILY.get(layout, "llama"))
     if layout == "fsdp2_tp_loaded":
         model = scenarios.load_sharded_by_transformers(model, tp_size=2, fsdp_size=2).train()
     elif layout == "fsdp2_ep_loaded":
@@ -165,7 +170,7 @@ def sc_trainer_use_cpu(rank, world_size):
         warnings.simplefilter("always")
         args = _arguments(1, use_cpu=True)
         try:
-            trainer = Trainer(model=zoo_scenarios.build("llama"), args=args, train_dataset=dataset())
+            trainer = Trainer(model=training.zoo_model("llama"), args=args, train_dataset=dataset())
         finally:
             shutil.rmtree(args.output_dir, ignore_errors=True)
     acc = trainer.accelerator

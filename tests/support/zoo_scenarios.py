@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import os
 
+from accel_fp8_fix.testing import training
+from accel_fp8_fix.testing.training import ZOO_FAMILIES as FAMILIES, ZOO_MOE_ONLY as MOE_ONLY  # noqa: F401  (the suite's)
+from accel_fp8_fix.testing.training import ZOO_VOCAB as VOCAB
+from accel_fp8_fix.testing.training import train_reference
+
 from . import fp8_scenarios
 from . import scenarios
 from . import tolerances
@@ -19,74 +24,14 @@ STEPS = 3
 LR = 0.02
 GLOBAL_BATCH = 4
 SEQ = 16
-VOCAB = 256
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "exaone4")
 # layout: (dp_replicate, dp_shard, tp) on 4 ranks
 LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2, 2), "hsdp": (2, 2, None),
            "fsdp2_tp_loaded": (None, 2, 2)}
 # sharded at load by transformers (DistributedConfig(tp_size, fsdp_size): its TP and its FSDP2), not by the test
 LOADED = {"fsdp2_tp_loaded"}
-MOE_ONLY = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")  # built here, trained by tests/distributed/test_moe_fp8.py
 DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
                  "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
                  "exaone4": "Exaone4DecoderLayer"}
-
-
-def build(family: str, seed: int = 0, attn_implementation: str = "eager"):
-    """A tiny fp32 ``*ForCausalLM`` of ``family``: 2 layers, hidden 64, 4 heads (4 KV heads, so TP 4 divides
-    them), head_dim 16 — every GEMM dim a multiple of 16 on each rank, as TE's FP8 GEMMs need. Context
-    parallelism needs ``attn_implementation="sdpa"``."""
-    import torch
-    import transformers as tf
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
-                  attn_implementation=attn_implementation)
-    if family == "llama":
-        config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
-    elif family == "qwen2":
-        config, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM  # q/k/v carry a bias
-    elif family == "qwen3":
-        config, cls = tf.Qwen3Config(head_dim=16, **common), tf.Qwen3ForCausalLM  # per-head q_norm / k_norm
-    elif family == "gemma3":
-        config = tf.Gemma3TextConfig(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, **common)
-        cls = tf.Gemma3ForCausalLM
-    elif family == "phi3":
-        config, cls = tf.Phi3Config(pad_token_id=0, **common), tf.Phi3ForCausalLM  # fused qkv / gate_up
-    elif family == "qwen3_moe":
-        config = tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                   decoder_sparse_step=1, norm_topk_prob=True, **common)
-        cls = tf.Qwen3MoeForCausalLM
-    elif family == "exaone4":  # post-norm layers, per-head q_norm / k_norm (replicated_with_grad_allreduce), sliding
-        config = tf.Exaone4Config(head_dim=16, sliding_window=8, **common)  # window on 3 layers of 4 (here: layer 0)
-        cls = tf.Exaone4ForCausalLM
-    elif family == "qwen2_moe":  # packed experts plus a shared expert (an MLP) gated by a Linear(hidden, 1)
-        config = tf.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                   shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=False,
-                                   **common)
-        cls = tf.Qwen2MoeForCausalLM
-    elif family == "mixtral":  # packed experts, a router of its own weight
-        config = tf.MixtralConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, **common)
-        cls = tf.MixtralForCausalLM
-    elif family == "olmoe":  # q_norm / k_norm over all heads, experts of intermediate_size
-        config, cls = tf.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **common), tf.OlmoeForCausalLM
-    elif family == "deepseek_v3":  # multi-head latent attention (5 Linears), a shared expert, grouped routing
-        config = tf.DeepseekV3Config(num_mtp_layers=0, **{
-            **common, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
-            "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-            "first_k_dense_replace": 0})
-        cls = tf.DeepseekV3ForCausalLM
-    elif family == "gpt_oss":  # experts [E, in, out] with biases, gate / up interleaved, clamped SwiGLU; attention
-        # sinks, sliding window on every other layer (GPT-OSS's TP plan covers the embedding only: FSDP2 here)
-        config = tf.GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                                 rope_parameters={"rope_type": "default", "rope_theta": 150000.0},  # no YaRN at 64
-                                 **{**common, "intermediate_size": 32})
-        cls = tf.GptOssForCausalLM
-    else:
-        raise ValueError(f"unknown family {family!r}; known: {FAMILIES + MOE_ONLY}")
-    torch.manual_seed(seed)
-    return cls(config)
 
 
 def batch(rank_slice=None):
@@ -99,20 +44,6 @@ def batch(rank_slice=None):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _recipe(name=None):
-    """The recipe the ranks ask for: fp8_scenarios.RECIPE (delayed scaling) without the amax reduction (one process), or
-    the TE recipe ``name`` as this package builds it from the accelerate config."""
-    import transformer_engine.common.recipe as te_recipe
-
-    if name is not None:
-        from accel_fp8_fix.fixes.start.recipe_kwargs import te_recipe_kwargs
-        from accel_fp8_fix.fixes.start.recipes import build
-
-        return build(te_recipe_kwargs(name))[0]
-    return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
-                                    reduce_amax=False)
-
-
 @fp8_scenarios.one_process_reference
 def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, recipe=None, moe_experts: bool = True):
     """One process, full batch, the family's model converted to TE (lm_head kept, as the ranks keep it; packed MoE
@@ -122,18 +53,19 @@ def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, re
 
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
-    model = build(family)
+    model = training.zoo_model(family)
     from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
 
-    te_recipe = _recipe(recipe)
+    te_recipe = training.zoo_recipe(recipe)
     converted = sorted(convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(te_recipe),
                                               moe_experts=moe_experts).converted) if fp8 else []
     for module in model.modules():
         if fsdp2 and hasattr(module, "fp8_meta"):
             module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
-    small_grads = {}
-    losses, norms = fp8_scenarios.train_te_reference(model, te_recipe, batch(), steps, LR, 1e9, fp8=fp8,
-                                         after_first_backward=lambda m: small_grads.update(_small_param_grads(m)))
+    small_grads, data = {}, batch()
+    losses, norms = train_reference(lambda: model, lambda m: m(**data).loss, steps=steps, lr=LR, max_norm=1e9,
+                                    recipe=te_recipe, fp8=fp8,
+                                    after_first_backward=lambda m: small_grads.update(_small_param_grads(m)))
     return losses, norms, converted, small_grads
 
 
@@ -159,7 +91,7 @@ def _prepared(family, layout, seed, precision, recipe=None):
     import torch
 
     acc = _accelerator(family, layout, precision, recipe)
-    model = build(family, seed=seed)
+    model = training.zoo_model(family, seed=seed)
     _, dp_shard, tp = LAYOUTS[layout]
     if layout in LOADED:
         model = scenarios.load_sharded_by_transformers(model, tp_size=tp, fsdp_size=dp_shard)
@@ -201,7 +133,7 @@ def _experts_convert(family: str, layout: str) -> bool:
     """Whether the ranks put this family's packed experts on TE grouped GEMMs under ``layout``: their TP-local
     expert width (moe_intermediate_size / tp when the plan shards them) must be a multiple of 16, TE's FP8 GEMM dim
     (fixes/convert/moe_experts.py)."""
-    model = build(family)
+    model = training.zoo_model(family)
     width = getattr(model.config, "moe_intermediate_size", None)
     tp = (LAYOUTS[layout][2] or 1) if experts_tp_sharded(model) else 1
     return width is None or (width // tp) % 16 == 0
@@ -313,7 +245,7 @@ def sc_loaded_mesh_mismatch(rank, world_size):
     import torch
 
     acc = _accelerator("llama", "fsdp2_tp", "fp8")
-    model = scenarios.load_sharded_by_transformers(build("llama"), tp_size=4, fsdp_size=1)
+    model = scenarios.load_sharded_by_transformers(training.zoo_model("llama"), tp_size=4, fsdp_size=1)
     try:
         acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
         return {"error": None}

@@ -553,3 +553,45 @@ def test_nothing_the_wheel_keeps_imports_the_suite_machinery():
         wrong += [f"accel_fp8_fix/{relative}:{line} imports {name}" for line, module, names in _imports(tree, path)
                   for name in (module, *(f"{module}.{n}" for n in names)) if name in left_out]
     assert not wrong, "a module of the runtime wheel imports what the wheel leaves out:\n" + "\n".join(wrong)
+
+
+# -- the benchmarks import the shared harness by name (issue 46 item 3) ---------------------------------------------
+# What the suite and the benchmarks share lives in the package (accel_fp8_fix/testing/training.py): a benchmark imports
+# it by name, never edits sys.path or reaches into the suite's tests/ (``support``). NOT_YET_BY_NAME: benchmarks that
+# still launch whole scenario modules of tests/support/ (large and test-only: FP8 all-gather, MoE, compile); the list
+# only shrinks (one that stops reaching in must leave it).
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+NOT_YET_BY_NAME = frozenset({"compile_fp8.py", "fp8_all_gather.py", "moe_fp8_share.py", "moe_layouts.py"})
+
+
+def _reaches_into_the_suite(tree: ast.Module, path) -> list[str]:
+    """``file:line what`` of every ``sys.path`` edit and every import of ``tests`` / ``support`` in ``tree``."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and ast.unparse(node.value) == "sys":
+            out.append(f"{path}:{node.lineno} sys.path")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            out += [f"{path}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in ("tests", "support")]
+    return out
+
+
+def test_benchmarks_import_the_harness_by_name():
+    wrong, still = [], set()
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        found = _reaches_into_the_suite(ast.parse(path.read_text(), filename=str(path)), path.name)
+        if found and path.name in NOT_YET_BY_NAME:
+            still.add(path.name)
+        elif found:
+            wrong += found
+    assert not wrong, ("import what a benchmark shares with the suite from accel_fp8_fix.testing (training.py), by "
+                       "name:\n" + "\n".join(wrong))
+    moved = NOT_YET_BY_NAME - still
+    assert not moved, f"no longer reaching into tests/: take them off NOT_YET_BY_NAME: {sorted(moved)}"
+
+
+def test_the_benchmark_rule_sees_path_edits_and_suite_imports():
+    source = ("import sys, os\nsys.path.insert(0, 'tests')\nfrom support import scenarios\nimport tests.support.x\n"
+              "from accel_fp8_fix.testing import training\nos.path.join('a')\n")
+    found = _reaches_into_the_suite(ast.parse(source), "x.py")
+    assert sorted(found) == ["x.py:2 sys.path", "x.py:3 imports support", "x.py:4 imports tests.support.x"], found

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from accel_fp8_fix.testing import training
 from support import launcher
 from support import moe_scenarios
 from support import tolerances
@@ -194,9 +195,8 @@ def test_expert_parallel_and_odd_dims_are_refused_by_name():
     from torch import nn
 
     from accel_fp8_fix.fixes.convert.moe_experts import convert_experts
-    from support import zoo_scenarios
 
-    model = zoo_scenarios.build("qwen3_moe")
+    model = training.zoo_model("qwen3_moe")
     model.model.layers[0].mlp.experts._is_expert_parallel = True
     converted, skipped = convert_experts(model, te=None, dim_multiple=128)
     reasons = dict(skipped)

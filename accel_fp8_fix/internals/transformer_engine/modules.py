@@ -22,6 +22,15 @@ def has_fp8_state(module) -> bool:
     return hasattr(module, "fp8_meta") and hasattr(module, "init_fp8_metadata")
 
 
+def take_fsdp2_weight_path(model) -> None:
+    """Every module of ``model`` with FP8 state (``fp8_meta``) takes TE's FSDP2 weight path (``_is_fsdp2``,
+    module/base.py): the FP8 weight not saved in forward but re-quantized in backward with the scale updated at
+    autocast exit — what a one-process reference does to compute as the FSDP2 ranks do (accel_fp8_fix.testing)."""
+    for module in model.modules():
+        if hasattr(module, "fp8_meta"):
+            module._is_fsdp2 = True
+
+
 def init_fp8_metadata(module, num_gemms: int) -> None:
     """Create ``module``'s FP8 state now (as its first FP8 forward would), under the caller's TE autocast."""
     module.init_fp8_metadata(num_gemms=num_gemms)
