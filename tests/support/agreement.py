@@ -50,15 +50,25 @@ def _eligible(plan: list) -> list[int]:
     return [i for i, (_, kwargs) in enumerate(plan) if not _names_a_folder(kwargs or {})]
 
 
-def choices(turn: int | None = None) -> list[dict]:
+def launch_cap() -> int:
+    """At most this many fresh launches (``ACCEL_FP8_FIX_TEST_AGREEMENT_LAUNCHES``; 0 or unset: as many as the files
+    need). The README's command (scripts/test.sh) sets 1: the lead's environment only."""
+    value = os.environ.get("ACCEL_FP8_FIX_TEST_AGREEMENT_LAUNCHES", "").strip()
+    return int(value) if value else 0
+
+
+def choices(turn: int | None = None, cap: int | None = None) -> list[dict]:
     """Per test file: the launch and the scenario of its plan this rotation checks.
 
     Each chosen (world size, environment, audit) costs a fresh launch of its own, so the files share as few of them
     as the rotation allows: one file leads (``turn % files``) and its pick (``turn // files``-th of its eligible
     scenarios: every scenario of every file leads on some day) stands whatever its launch's environment; the
     others pick, by the rotation, among their scenarios in the environments already chosen, and a file with none
-    there adds the environment most of the still uncovered files can use."""
+    there adds the environment most of the still uncovered files can use. With a ``cap`` (default
+    :func:`launch_cap`) of fresh launches, the environments past it are not added and the files left with none are
+    not checked this turn (each still leads on its days: every scenario is chosen on some day)."""
     turn = rotation() if turn is None else turn
+    cap = launch_cap() if cap is None else cap
     files = []
     for file, launches in sorted(RECORDS.items()):
         candidates = [(launch, i) for launch in launches for i in _eligible(launch["plan"])]
@@ -70,7 +80,7 @@ def choices(turn: int | None = None) -> list[dict]:
     lead_candidates = files[lead][1]
     lead_pick = lead_candidates[(turn // len(files)) % len(lead_candidates)]
     used = {_group_key(lead_pick[0])}
-    while True:
+    while not cap or len(used) < cap:
         uncovered = [c for f, (_, c) in enumerate(files)
                      if f != lead and not any(_group_key(launch) in used for launch, _ in c)]
         if not uncovered:
@@ -86,6 +96,8 @@ def choices(turn: int | None = None) -> list[dict]:
             launch, i = lead_pick
         else:
             mine = [(launch, i) for launch, i in candidates if _group_key(launch) in used]
+            if not mine:  # its environments are past the cap: not this turn
+                continue
             launch, i = mine[turn % len(mine)]
         name, kwargs = launch["plan"][i]
         chosen.append({"file": file, "launch": launch, "index": i, "name": name, "kwargs": kwargs or {}})
