@@ -35,12 +35,16 @@ class AcceleratorRecord:
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _made_on_first_use(records: weakref.WeakKeyDictionary, owner, make):
+    found = records.get(owner)
+    if found is None:
+        found = records[owner] = make()
+    return found
+
+
 def record(accelerator) -> AcceleratorRecord:
     """The accelerator's record (made on first use)."""
-    found = _RECORDS.get(accelerator)
-    if found is None:
-        found = _RECORDS[accelerator] = AcceleratorRecord()
-    return found
+    return _made_on_first_use(_RECORDS, accelerator, AcceleratorRecord)
 
 
 @dataclass
@@ -59,10 +63,7 @@ _MODULE_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def module_record(module) -> ModuleRecord:
     """The module's record (made on first use)."""
-    found = _MODULE_RECORDS.get(module)
-    if found is None:
-        found = _MODULE_RECORDS[module] = ModuleRecord()
-    return found
+    return _made_on_first_use(_MODULE_RECORDS, module, ModuleRecord)
 
 
 _NONE = ModuleRecord()
