@@ -32,7 +32,7 @@ from accel_fp8_fix.testing.training import DIM, block_stack, dense_batch, tiny_l
 # the environments, as the suite names them (scenarios.ENV_FIXED ...): accel_fp8_fix.testing.training's
 from accel_fp8_fix.testing.training import ENV_FIXED, ENV_REHEARSAL, ENV_STOCK, ensure_te_on_cpu  # noqa: F401
 from accel_fp8_fix.testing.training import ensure_rehearsal
-from accel_fp8_fix.testing.training import make_accelerator, reset_accelerate, train, train_reference
+from accel_fp8_fix.testing.training import make_accelerator, reset_accelerate, reset_te_global_state, train, train_reference
 
 # cuBLASLt's per-tensor FP8 GEMMs on Hopper need every leading dimension a multiple of 16 (TE's
 # cublaslt_gemm.cu:159-163; a wgrad's is the rank's token count): TE's own Python checks only a multiple of 8.
@@ -644,6 +644,11 @@ def run_plan(module, rank, world_size, plan):
         # accelerate writes ACCELERATE_USE_FSDP / FSDP_* into os.environ: start every scenario from the launch's.
         os.environ.clear()
         os.environ.update(environ)
+        # TE's global amax buffers keep every TE module that ran under its autocast, models long gone included: a
+        # scenario's facts (the amax all-reduce's size) would depend on the scenarios before it in the plan, where
+        # the pooled-equals-fresh check runs it as a run of its own (its ranks put back, TE's state too)
+        if "transformer_engine.pytorch" in sys.modules:
+            reset_te_global_state()
         try:
             out[key] = getattr(module, name)(rank, world_size, **(kwargs or {}))
         except Exception as exc:  # noqa: BLE001
