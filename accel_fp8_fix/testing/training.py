@@ -17,7 +17,8 @@
   :data:`ENV_REHEARSAL`, :data:`ENV_FIXED`), :func:`ensure_rehearsal`, :func:`ensure_te_on_cpu`,
   :func:`reset_accelerate`, :func:`make_accelerator` (a real ``Accelerator`` whose distributed type and mesh are
   asserted, so nothing falls back silently); the model zoo: :func:`zoo_model` (tiny configs of transformers
-  families) and :func:`zoo_recipe`.
+  families), :data:`ZOO_DECODER_LAYER` (each family's FSDP2 wrap unit), :func:`zoo_recipe` and
+  :func:`proportioned_qwen3_moe` (a Qwen3-MoE with a real MoE's proportions).
 
 Import cost: torch only. transformers, Transformer Engine and accelerate are imported inside the functions that need
 them, so ``import accel_fp8_fix.testing.training`` stays as cheap as torch.
@@ -35,7 +36,7 @@ from torch import nn
 __all__ = ["DIM", "Block", "BlockStack", "block_stack", "tiny_llama", "dense_batch", "token_batch", "train",
            "train_reference", "train_and_compare", "compare", "reset_te_global_state", "ENV_STOCK", "ENV_REHEARSAL",
            "ENV_FIXED", "ensure_rehearsal", "ensure_te_on_cpu", "reset_accelerate", "make_accelerator", "ZOO_VOCAB",
-           "ZOO_FAMILIES", "ZOO_MOE_ONLY", "zoo_model", "zoo_recipe"]
+           "ZOO_FAMILIES", "ZOO_MOE_ONLY", "ZOO_DECODER_LAYER", "zoo_model", "zoo_recipe", "proportioned_qwen3_moe"]
 
 DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
 
@@ -369,6 +370,12 @@ def make_accelerator(
 ZOO_VOCAB = 256
 ZOO_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "exaone4")
 ZOO_MOE_ONLY = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")  # trained by tests/distributed/test_moe_fp8.py
+# each family's decoder layer: the FSDP2 wrap unit (``make_accelerator(wrap_cls=[...])``)
+ZOO_DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
+                     "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
+                     "exaone4": "Exaone4DecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer",
+                     "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer",
+                     "deepseek_v3": "DeepseekV3DecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
 
 
 def zoo_model(family: str, seed: int = 0, attn_implementation: str = "eager"):
@@ -439,3 +446,18 @@ def zoo_recipe(name=None):
         return build(te_recipe_kwargs(name))[0]
     return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                     reduce_amax=False)
+
+
+def proportioned_qwen3_moe(experts: int = 32):
+    """A Qwen3-MoE with a real model's proportions (Qwen3-30B-A3B: 128 experts, top-8, expert MLP 768 of hidden
+    2048; here 32 experts, top-8, expert MLP 32 of hidden 64, a 256-token vocabulary); ``experts``: another count
+    (top-k at most 8). Its wrap unit: ``ZOO_DECODER_LAYER["qwen3_moe"]``."""
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=ZOO_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=4, head_dim=16, num_experts=experts,
+                               num_experts_per_tok=min(8, max(2, experts // 4)), moe_intermediate_size=32,
+                               decoder_sparse_step=1, max_position_embeddings=64, tie_word_embeddings=False,
+                               attn_implementation="eager")
+    torch.manual_seed(0)
+    return tf.Qwen3MoeForCausalLM(config)

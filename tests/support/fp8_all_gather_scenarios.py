@@ -568,7 +568,7 @@ def _moe_model(family):
         torch.manual_seed(0)
         model = tf.Qwen3MoeForCausalLM(config)
     elif family.startswith("qwen3_moe_proportioned"):  # "..._6": 6 experts (uneven over 4 shard ranks: 2, 2, 2, 0)
-        model = moe_scenarios._proportioned_qwen3_moe(experts=int(family.rsplit("_", 1)[1]) if family[-1].isdigit() else 32)
+        model = training.proportioned_qwen3_moe(experts=int(family.rsplit("_", 1)[1]) if family[-1].isdigit() else 32)
     else:
         model = training.zoo_model(family)
     model.config._experts_implementation = "eager"

@@ -29,9 +29,7 @@ LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2
            "fsdp2_tp_loaded": (None, 2, 2)}
 # sharded at load by transformers (DistributedConfig(tp_size, fsdp_size): its TP and its FSDP2), not by the test
 LOADED = {"fsdp2_tp_loaded"}
-DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
-                 "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
-                 "exaone4": "Exaone4DecoderLayer"}
+DECODER_LAYER = {f: training.ZOO_DECODER_LAYER[f] for f in FAMILIES}
 
 
 def batch(rank_slice=None):
