@@ -16,9 +16,13 @@
 * Where a run starts from: the environments of ``run_distributed(env=...)`` (:data:`ENV_STOCK`,
   :data:`ENV_REHEARSAL`, :data:`ENV_FIXED`), :func:`ensure_rehearsal`, :func:`ensure_te_on_cpu`,
   :func:`reset_accelerate`, :func:`make_accelerator` (a real ``Accelerator`` whose distributed type and mesh are
-  asserted, so nothing falls back silently); the model zoo: :func:`zoo_model` (tiny configs of transformers
-  families), :data:`ZOO_DECODER_LAYER` (each family's FSDP2 wrap unit), :func:`zoo_recipe` and
-  :func:`proportioned_qwen3_moe` (a Qwen3-MoE with a real MoE's proportions).
+  asserted, so nothing falls back silently).
+* A model's layout before ``prepare``: :func:`shard_tp` (transformers' TP plan on a TP mesh; :func:`experts_tp_plan`
+  its packed-experts rules), :func:`load_sharded_by_transformers` (``DistributedConfig`` N-D loading), and
+  :func:`data_rank` (a rank's index among the data-parallel ranks: which slice of the batch it trains on).
+* The model zoo: :func:`zoo_model` (tiny configs of transformers families), :data:`ZOO_DECODER_LAYER` (each family's
+  FSDP2 wrap unit), :func:`zoo_recipe` and :func:`proportioned_qwen3_moe` (a Qwen3-MoE with a real MoE's
+  proportions).
 
 Import cost: torch only. transformers, Transformer Engine and accelerate are imported inside the functions that need
 them, so ``import accel_fp8_fix.testing.training`` stays as cheap as torch.
@@ -35,8 +39,9 @@ from torch import nn
 
 __all__ = ["DIM", "Block", "BlockStack", "block_stack", "tiny_llama", "dense_batch", "token_batch", "train",
            "train_reference", "train_and_compare", "compare", "reset_te_global_state", "ENV_STOCK", "ENV_REHEARSAL",
-           "ENV_FIXED", "ensure_rehearsal", "ensure_te_on_cpu", "reset_accelerate", "make_accelerator", "ZOO_VOCAB",
-           "ZOO_FAMILIES", "ZOO_MOE_ONLY", "ZOO_DECODER_LAYER", "zoo_model", "zoo_recipe", "proportioned_qwen3_moe"]
+           "ENV_FIXED", "ensure_rehearsal", "ensure_te_on_cpu", "reset_accelerate", "make_accelerator", "shard_tp",
+           "experts_tp_plan", "load_sharded_by_transformers", "data_rank", "ZOO_VOCAB", "ZOO_FAMILIES",
+           "ZOO_MOE_ONLY", "ZOO_DECODER_LAYER", "zoo_model", "zoo_recipe", "proportioned_qwen3_moe"]
 
 DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
 
@@ -365,6 +370,87 @@ def make_accelerator(
                 want = tuple(n for n, s in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp)) if (s or 1) > 1)
                 assert tuple(mesh.mesh_dim_names) == want, (mesh.mesh_dim_names, want)
     return acc
+
+
+# -- layouts a model is sharded into before prepare (transformers' TP / N-D loading) -----------------------------
+def shard_tp(model, mesh_tp, experts: str = "default"):
+    """Shard ``model`` with transformers 5.x tensor parallelism on ``mesh_tp`` (1-D, on its own ranks).
+
+    Uses ``transformers.distributed.tensor_parallel.apply_tensor_parallelism`` with the model's own TP plan
+    (``from_pretrained(tp_plan=...)`` shards over the whole world on CPU, docs/failures.md A18) and records the
+    TP degree where accelerate's ``get_model_tp_size`` looks (``model.tp_size`` -> ``model._tp_size``).
+    ``experts="tp"``: packed experts TP-sharded by transformers' ``moe_tp_experts`` (:func:`experts_tp_plan`) —
+    the default plans' rule up to 5.24, an explicit one from 5.25; ``"default"``: the model's own plan (5.25's
+    leaves the experts replicated on the TP ranks).
+    """
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    tp_size = mesh_tp.size()
+    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_size))[0]
+    if experts == "tp":
+        plan = {**plan, **experts_tp_plan(model)}
+    elif experts != "default":
+        raise ValueError(f"experts={experts!r}: 'default' or 'tp'")
+    apply_tensor_parallelism(model, mesh_tp, plan)
+    model._tp_size = tp_size
+    return model
+
+
+def experts_tp_plan(model) -> dict:
+    """transformers' expert TP rules for every ``[E, out, in]`` packed-experts module of ``model``: ``packed_colwise``
+    gate_up_proj, ``rowwise`` down_proj, ``moe_tp_experts`` on the module (Qwen3-MoE's and Mixtral's default plans
+    up to 5.24; deprecated from 5.25, "removal in v5.28.0")."""
+    plan = {}
+    for name, module in model.named_modules():
+        gate_up = module._parameters.get("gate_up_proj")
+        if gate_up is not None and gate_up.dim() == 3 and not getattr(module, "is_transposed", False):
+            plan.update({f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise",
+                         name: "moe_tp_experts"})
+    return plan
+
+
+def load_sharded_by_transformers(model, tp_size: int, fsdp_size: int, ep_size: int | None = None):
+    """N-D loading as transformers 5.x documents it: ``from_pretrained(path, distributed_config=
+    DistributedConfig(tp_size, fsdp_size[, ep_size]))`` — transformers applies TP (or EP) *and* FSDP2 at load, on a
+    mesh of its own. ``model`` is saved first by rank 0 (transformers saves and reads on rank 0 only) in a folder all
+    ranks share."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import DistributedConfig
+
+    path = [tempfile.mkdtemp(prefix="accel_fp8_fix_nd_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    path = path[0]
+    try:
+        model.save_pretrained(path)  # rank 0 writes
+        dist.barrier()
+        config = DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size,
+                                   **({"ep_size": ep_size} if ep_size is not None else {}))
+        return type(model).from_pretrained(path, distributed_config=config, dtype=model.dtype)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def data_rank(acc) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number)."""
+    mesh = acc.torch_device_mesh
+    if mesh is None:  # one rank, no ParallelismConfig
+        return 0, 1
+    names = [n for n in ("dp_replicate", "dp_shard") if n in mesh.mesh_dim_names]
+    if not names:
+        return 0, 1
+    dp = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+    coords = dp.get_coordinate()
+    index = 0
+    for dim, coord in enumerate(coords):
+        index = index * dp.size(dim) + coord
+    return index, dp.size()
+
 
 # -- the model zoo: tiny configs of transformers families ---------------------------------------------------------
 ZOO_VOCAB = 256
