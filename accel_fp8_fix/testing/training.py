@@ -3,8 +3,9 @@
     from accel_fp8_fix.testing.training import block_stack, dense_batch, train_and_compare, train_reference
 
 * Models: :class:`Block` / :class:`BlockStack` (plain torch: pre-norm MLP blocks and a head; ``Block`` is the FSDP2
-  wrap unit found by class name), :func:`block_stack`, :func:`tiny_llama` (a ``transformers`` Llama from a config,
-  no download); batches: :func:`dense_batch`, :func:`token_batch` — each seeded, so every rank builds the same one.
+  wrap unit found by class name), :func:`block_stack`, :func:`tiny_llama` / :func:`tiny_qwen2` (``transformers``
+  models from a config, no download); batches: :func:`dense_batch`, :func:`token_batch` — each seeded, so every
+  rank builds the same one.
 * :func:`train` — the one training loop: ``steps`` SGD steps, the loss from ``loss_of(model)``, the gradient norm
   clipped to ``max_norm``; in one process (``loss.backward()``, torch's ``clip_grad_norm_``) or through an
   ``Accelerator`` (``accelerator.backward``, ``accelerator.clip_grad_norm_``), optionally under Transformer Engine's
@@ -23,6 +24,8 @@
 * The model zoo: :func:`zoo_model` (tiny configs of transformers families), :data:`ZOO_DECODER_LAYER` (each family's
   FSDP2 wrap unit), :func:`zoo_recipe` and :func:`proportioned_qwen3_moe` (a Qwen3-MoE with a real MoE's
   proportions).
+* :func:`fsdp2_fp8_compile_run` — a rank of FSDP2 + FP8 under accelerate's torch.compile setting (its facts: losses,
+  step times, FP8 GEMMs, dynamo's counters), the run the compile test and benchmark share.
 
 Import cost: torch only. transformers, Transformer Engine and accelerate are imported inside the functions that need
 them, so ``import accel_fp8_fix.testing.training`` stays as cheap as torch.
@@ -37,11 +40,12 @@ import os
 import torch
 from torch import nn
 
-__all__ = ["DIM", "Block", "BlockStack", "block_stack", "tiny_llama", "dense_batch", "token_batch", "train",
-           "train_reference", "train_and_compare", "compare", "reset_te_global_state", "ENV_STOCK", "ENV_REHEARSAL",
-           "ENV_FIXED", "ensure_rehearsal", "ensure_te_on_cpu", "reset_accelerate", "make_accelerator", "shard_tp",
-           "experts_tp_plan", "load_sharded_by_transformers", "data_rank", "ZOO_VOCAB", "ZOO_FAMILIES",
-           "ZOO_MOE_ONLY", "ZOO_DECODER_LAYER", "zoo_model", "zoo_recipe", "proportioned_qwen3_moe"]
+__all__ = ["DIM", "Block", "BlockStack", "block_stack", "tiny_llama", "tiny_qwen2", "dense_batch", "token_batch",
+           "train", "train_reference", "train_and_compare", "compare", "reset_te_global_state", "ENV_STOCK",
+           "ENV_REHEARSAL", "ENV_FIXED", "ensure_rehearsal", "ensure_te_on_cpu", "reset_accelerate",
+           "make_accelerator", "shard_tp", "experts_tp_plan", "load_sharded_by_transformers", "data_rank", "ZOO_VOCAB",
+           "ZOO_FAMILIES", "ZOO_MOE_ONLY", "ZOO_DECODER_LAYER", "zoo_model", "zoo_recipe", "proportioned_qwen3_moe",
+           "COMPILE_VOCAB", "COMPILE_TOKENS", "fsdp2_fp8_compile_run"]
 
 DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
 
@@ -111,6 +115,17 @@ def tiny_llama(hidden: int = DIM, layers: int = 2, heads: int = 4, kv_heads: int
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def tiny_qwen2(vocab: int = 128, seed: int = 0):
+    """A small ``transformers`` ``Qwen2ForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 KV heads), fp32, from a config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
 
 
 def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16, seed: int = 1):
@@ -547,3 +562,74 @@ def proportioned_qwen3_moe(experts: int = 32):
                                attn_implementation="eager")
     torch.manual_seed(0)
     return tf.Qwen3MoeForCausalLM(config)
+
+
+# -- a run under accelerate's torch.compile setting ----------------------------------------------------------------
+COMPILE_VOCAB = 128
+COMPILE_TOKENS = (2, 8)  # 16 tokens per rank: a multiple of 8, as TE's FP8 GEMMs need
+
+
+def fsdp2_fp8_compile_run(rank, world_size, backend: str = "INDUCTOR", steps: int = 3, lr: float = 1e-3) -> dict:
+    """A rank of FSDP2 + FP8 through the patched prepare with accelerate's dynamo setting ``backend`` ("NO": the
+    uncompiled comparison), set as ``accelerate launch`` sets it (``ACCELERATE_DYNAMO_BACKEND``), on
+    :func:`tiny_qwen2` (AdamW, 2 x 8 tokens a rank). Facts: the error, if any (with its type and traceback), the
+    losses, per-step wall time, FP8 GEMM counts (the CPU rehearsal's), dynamo's counters, and the collectives the
+    collective-order audit saw during the steps (None: no audit in this launch). Run by
+    tests/distributed/test_compile_fp8.py and benchmarks/compile_fp8.py."""
+    import time
+    import traceback
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ..diagnostics import collective_order
+    from ..rehearsal import te_on_cpu
+
+    ensure_rehearsal(True)
+    counters.clear()  # dynamo's counters are per process: count this run's compilation only
+    os.environ["ACCELERATE_DYNAMO_BACKEND"] = backend  # what dynamo_config: {dynamo_backend: ...} launches with
+    acc = make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Qwen2DecoderLayer"],
+                           mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                       reduce_dtype=torch.float32))
+    facts = {"dynamo_backend": str(acc.state.dynamo_plugin.backend), "error": None, "losses": [], "step_s": []}
+    model = tiny_qwen2(vocab=COMPILE_VOCAB, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, COMPILE_VOCAB, (world_size,) + COMPILE_TOKENS, generator=g)[rank] for _ in range(steps)]
+    try:
+        model, opt = acc.prepare(model, opt)
+        facts["compiled"] = type(model).__name__
+        facts["fp8_enabled"] = acc.accel_fp8_fix.fp8_enabled
+        te_on_cpu.reset_stats()
+        recorder = collective_order._installed.get("recorder")  # the audit's recorder of this rank
+        audited_before = len(recorder.records) if recorder is not None else None
+        for ids in batches:
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            facts["step_s"].append(time.perf_counter() - t0)
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            facts["losses"].append(float(value) / world_size)
+        facts["audited_collectives"] = len(recorder.records) - audited_before if recorder is not None else None
+    except Exception as exc:  # noqa: BLE001
+        facts["error"] = f"{type(exc).__name__}: {exc}"
+        facts["error_type"] = type(exc).__name__
+        facts["traceback"] = traceback.format_exc().splitlines()[-60:]
+    stats = te_on_cpu.stats()
+    facts["dynamo"] = {"graphs": counters["stats"].get("unique_graphs", 0),
+                       "frames_ok": counters["frames"].get("ok", 0), "frames_total": counters["frames"].get("total", 0),
+                       "graph_breaks": sum(counters["graph_break"].values()),
+                       "break_reasons": sorted(counters["graph_break"])[:8]}
+    facts.update(fp8_gemms_fwd=stats["fp8_gemms_fwd"], fp8_gemms_bwd=stats["fp8_gemms_bwd"],
+                 non_fp8_gemms=stats["non_fp8_gemms"])
+    try:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+    except Exception:  # noqa: BLE001
+        pass
+    return facts
