@@ -627,9 +627,9 @@ def fsdp2_fp8_compile_run(rank, world_size, backend: str = "INDUCTOR", steps: in
     facts.update(fp8_gemms_fwd=stats["fp8_gemms_fwd"], fp8_gemms_bwd=stats["fp8_gemms_bwd"],
                  non_fp8_gemms=stats["non_fp8_gemms"])
     try:
-        import torch._dynamo
+        from torch import _dynamo  # (``import torch._dynamo`` would make ``torch`` local to this function)
 
-        torch._dynamo.reset()
+        _dynamo.reset()
     except Exception:  # noqa: BLE001
         pass
     return facts
