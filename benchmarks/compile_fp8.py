@@ -1,8 +1,9 @@
 """Step time of FP8 training under accelerate's torch.compile setting against the same run uncompiled.
 
-FSDP2 + FP8 (``mixed_precision="fp8"``) through the patched ``prepare`` on 2 gloo ranks, tests' tiny Qwen2
-(hidden 64, 2 layers, vocabulary 128, 2 x 8 tokens per rank), TE's real Python over the CPU kernel shim + CPU
-rehearsal (``ACCEL_FP8_FIX_REHEARSAL=1``), the collective-order audit on (as in the tests). ``INDUCTOR`` is
+FSDP2 + FP8 (``mixed_precision="fp8"``) through the patched ``prepare`` on 2 gloo ranks, the run the tests make
+(``accel_fp8_fix.testing.training.fsdp2_fp8_compile_run``: a tiny Qwen2, hidden 64, 2 layers, vocabulary 128, 2 x 8
+tokens per rank), TE's real Python over the CPU kernel shim + CPU rehearsal (``ACCEL_FP8_FIX_REHEARSAL=1``), the
+collective-order audit on (as in the tests), launched by ``accel_fp8_fix.testing.run_distributed``. ``INDUCTOR`` is
 what ``dynamo_config: {dynamo_backend: INDUCTOR}`` launches with (``ACCELERATE_DYNAMO_BACKEND``); ``NO`` is the
 uncompiled run. Each backend runs in its own launch (fresh processes, fresh dynamo caches).
 
@@ -21,31 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _scenarios():
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from support import compile_scenarios
-        from support import scenarios
-    except ImportError:  # the test helpers moved to tests/support/
-        from support import compile_scenarios
-        from support import scenarios
-    return compile_scenarios, scenarios
 
 
 def run(backend: str, steps: int, warmup: int) -> dict:
-    compile_scenarios, scenarios = _scenarios()
-    plan = [("sc_fsdp2_fp8_compile", {"backend": backend, "steps": steps})]
+    from accel_fp8_fix.testing import run_distributed
+    from accel_fp8_fix.testing.training import ENV_FIXED, fsdp2_fp8_compile_run
+
     t0 = time.perf_counter()
-    results = scenarios.launch(compile_scenarios, plan, 2, timeout=900.0)
+    ranks = run_distributed(fsdp2_fp8_compile_run, 2, args=(backend, steps), env=ENV_FIXED, timeout=900.0,
+                            collective_timeout=120.0, init_process_group=False)
     wall = time.perf_counter() - t0
-    ranks = scenarios.facts_of(results, scenarios.key_of(plan, "sc_fsdp2_fp8_compile", plan[0][1]))
     f = ranks[0]
     if f["error"]:
         raise SystemExit(f"{backend}: {f['error']}\n" + "\n".join(f.get("traceback", [])))

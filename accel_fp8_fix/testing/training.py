@@ -3,8 +3,9 @@
     from accel_fp8_fix.testing.training import block_stack, dense_batch, train_and_compare, train_reference
 
 * Models: :class:`Block` / :class:`BlockStack` (plain torch: pre-norm MLP blocks and a head; ``Block`` is the FSDP2
-  wrap unit found by class name), :func:`block_stack`, :func:`tiny_llama` (a ``transformers`` Llama from a config,
-  no download); batches: :func:`dense_batch`, :func:`token_batch` — each seeded, so every rank builds the same one.
+  wrap unit found by class name), :func:`block_stack`, :func:`tiny_llama` / :func:`tiny_qwen2` (``transformers``
+  models from a config, no download); batches: :func:`dense_batch`, :func:`token_batch` — each seeded, so every
+  rank builds the same one.
 * :func:`train` — the one training loop: ``steps`` SGD steps, the loss from ``loss_of(model)``, the gradient norm
   clipped to ``max_norm``; in one process (``loss.backward()``, torch's ``clip_grad_norm_``) or through an
   ``Accelerator`` (``accelerator.backward``, ``accelerator.clip_grad_norm_``), optionally under Transformer Engine's
@@ -16,8 +17,15 @@
 * Where a run starts from: the environments of ``run_distributed(env=...)`` (:data:`ENV_STOCK`,
   :data:`ENV_REHEARSAL`, :data:`ENV_FIXED`), :func:`ensure_rehearsal`, :func:`ensure_te_on_cpu`,
   :func:`reset_accelerate`, :func:`make_accelerator` (a real ``Accelerator`` whose distributed type and mesh are
-  asserted, so nothing falls back silently); the model zoo: :func:`zoo_model` (tiny configs of transformers
-  families) and :func:`zoo_recipe`.
+  asserted, so nothing falls back silently).
+* A model's layout before ``prepare``: :func:`shard_tp` (transformers' TP plan on a TP mesh; :func:`experts_tp_plan`
+  its packed-experts rules), :func:`load_sharded_by_transformers` (``DistributedConfig`` N-D loading), and
+  :func:`data_rank` (a rank's index among the data-parallel ranks: which slice of the batch it trains on).
+* The model zoo: :func:`zoo_model` (tiny configs of transformers families), :data:`ZOO_DECODER_LAYER` (each family's
+  FSDP2 wrap unit), :func:`zoo_recipe` and :func:`proportioned_qwen3_moe` (a Qwen3-MoE with a real MoE's
+  proportions).
+* :func:`fsdp2_fp8_compile_run` — a rank of FSDP2 + FP8 under accelerate's torch.compile setting (its facts: losses,
+  step times, FP8 GEMMs, dynamo's counters), the run the compile test and benchmark share.
 
 Import cost: torch only. transformers, Transformer Engine and accelerate are imported inside the functions that need
 them, so ``import accel_fp8_fix.testing.training`` stays as cheap as torch.
@@ -32,10 +40,12 @@ import os
 import torch
 from torch import nn
 
-__all__ = ["DIM", "Block", "BlockStack", "block_stack", "tiny_llama", "dense_batch", "token_batch", "train",
-           "train_reference", "train_and_compare", "compare", "reset_te_global_state", "ENV_STOCK", "ENV_REHEARSAL",
-           "ENV_FIXED", "ensure_rehearsal", "ensure_te_on_cpu", "reset_accelerate", "make_accelerator", "ZOO_VOCAB",
-           "ZOO_FAMILIES", "ZOO_MOE_ONLY", "zoo_model", "zoo_recipe"]
+__all__ = ["DIM", "Block", "BlockStack", "block_stack", "tiny_llama", "tiny_qwen2", "dense_batch", "token_batch",
+           "train", "train_reference", "train_and_compare", "compare", "reset_te_global_state", "ENV_STOCK",
+           "ENV_REHEARSAL", "ENV_FIXED", "ensure_rehearsal", "ensure_te_on_cpu", "reset_accelerate",
+           "make_accelerator", "shard_tp", "experts_tp_plan", "load_sharded_by_transformers", "data_rank", "ZOO_VOCAB",
+           "ZOO_FAMILIES", "ZOO_MOE_ONLY", "ZOO_DECODER_LAYER", "zoo_model", "zoo_recipe", "proportioned_qwen3_moe",
+           "COMPILE_VOCAB", "COMPILE_TOKENS", "fsdp2_fp8_compile_run"]
 
 DIM = 64  # every Linear dim is a multiple of 16 (TE's FP8 GEMM requirement) unless a scenario says otherwise
 
@@ -105,6 +115,17 @@ def tiny_llama(hidden: int = DIM, layers: int = 2, heads: int = 4, kv_heads: int
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def tiny_qwen2(vocab: int = 128, seed: int = 0):
+    """A small ``transformers`` ``Qwen2ForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 KV heads), fp32, from a config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
 
 
 def token_batch(vocab: int = 256, batch: int = 2, seq: int = 16, seed: int = 1):
@@ -365,10 +386,97 @@ def make_accelerator(
                 assert tuple(mesh.mesh_dim_names) == want, (mesh.mesh_dim_names, want)
     return acc
 
+
+# -- layouts a model is sharded into before prepare (transformers' TP / N-D loading) -----------------------------
+def shard_tp(model, mesh_tp, experts: str = "default"):
+    """Shard ``model`` with transformers 5.x tensor parallelism on ``mesh_tp`` (1-D, on its own ranks).
+
+    Uses ``transformers.distributed.tensor_parallel.apply_tensor_parallelism`` with the model's own TP plan
+    (``from_pretrained(tp_plan=...)`` shards over the whole world on CPU, docs/failures.md A18) and records the
+    TP degree where accelerate's ``get_model_tp_size`` looks (``model.tp_size`` -> ``model._tp_size``).
+    ``experts="tp"``: packed experts TP-sharded by transformers' ``moe_tp_experts`` (:func:`experts_tp_plan`) —
+    the default plans' rule up to 5.24, an explicit one from 5.25; ``"default"``: the model's own plan (5.25's
+    leaves the experts replicated on the TP ranks).
+    """
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    tp_size = mesh_tp.size()
+    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_size))[0]
+    if experts == "tp":
+        plan = {**plan, **experts_tp_plan(model)}
+    elif experts != "default":
+        raise ValueError(f"experts={experts!r}: 'default' or 'tp'")
+    apply_tensor_parallelism(model, mesh_tp, plan)
+    model._tp_size = tp_size
+    return model
+
+
+def experts_tp_plan(model) -> dict:
+    """transformers' expert TP rules for every ``[E, out, in]`` packed-experts module of ``model``: ``packed_colwise``
+    gate_up_proj, ``rowwise`` down_proj, ``moe_tp_experts`` on the module (Qwen3-MoE's and Mixtral's default plans
+    up to 5.24; deprecated from 5.25, "removal in v5.28.0")."""
+    plan = {}
+    for name, module in model.named_modules():
+        gate_up = module._parameters.get("gate_up_proj")
+        if gate_up is not None and gate_up.dim() == 3 and not getattr(module, "is_transposed", False):
+            plan.update({f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise",
+                         name: "moe_tp_experts"})
+    return plan
+
+
+def load_sharded_by_transformers(model, tp_size: int, fsdp_size: int, ep_size: int | None = None):
+    """N-D loading as transformers 5.x documents it: ``from_pretrained(path, distributed_config=
+    DistributedConfig(tp_size, fsdp_size[, ep_size]))`` — transformers applies TP (or EP) *and* FSDP2 at load, on a
+    mesh of its own. ``model`` is saved first by rank 0 (transformers saves and reads on rank 0 only) in a folder all
+    ranks share."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import DistributedConfig
+
+    path = [tempfile.mkdtemp(prefix="accel_fp8_fix_nd_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    path = path[0]
+    try:
+        model.save_pretrained(path)  # rank 0 writes
+        dist.barrier()
+        config = DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size,
+                                   **({"ep_size": ep_size} if ep_size is not None else {}))
+        return type(model).from_pretrained(path, distributed_config=config, dtype=model.dtype)
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def data_rank(acc) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number)."""
+    mesh = acc.torch_device_mesh
+    if mesh is None:  # one rank, no ParallelismConfig
+        return 0, 1
+    names = [n for n in ("dp_replicate", "dp_shard") if n in mesh.mesh_dim_names]
+    if not names:
+        return 0, 1
+    dp = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+    coords = dp.get_coordinate()
+    index = 0
+    for dim, coord in enumerate(coords):
+        index = index * dp.size(dim) + coord
+    return index, dp.size()
+
+
 # -- the model zoo: tiny configs of transformers families ---------------------------------------------------------
 ZOO_VOCAB = 256
 ZOO_FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "exaone4")
 ZOO_MOE_ONLY = ("qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")  # trained by tests/distributed/test_moe_fp8.py
+# each family's decoder layer: the FSDP2 wrap unit (``make_accelerator(wrap_cls=[...])``)
+ZOO_DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
+                     "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
+                     "exaone4": "Exaone4DecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer",
+                     "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer",
+                     "deepseek_v3": "DeepseekV3DecoderLayer", "gpt_oss": "GptOssDecoderLayer"}
 
 
 def zoo_model(family: str, seed: int = 0, attn_implementation: str = "eager"):
@@ -439,3 +547,89 @@ def zoo_recipe(name=None):
         return build(te_recipe_kwargs(name))[0]
     return te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                     reduce_amax=False)
+
+
+def proportioned_qwen3_moe(experts: int = 32):
+    """A Qwen3-MoE with a real model's proportions (Qwen3-30B-A3B: 128 experts, top-8, expert MLP 768 of hidden
+    2048; here 32 experts, top-8, expert MLP 32 of hidden 64, a 256-token vocabulary); ``experts``: another count
+    (top-k at most 8). Its wrap unit: ``ZOO_DECODER_LAYER["qwen3_moe"]``."""
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=ZOO_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=4, head_dim=16, num_experts=experts,
+                               num_experts_per_tok=min(8, max(2, experts // 4)), moe_intermediate_size=32,
+                               decoder_sparse_step=1, max_position_embeddings=64, tie_word_embeddings=False,
+                               attn_implementation="eager")
+    torch.manual_seed(0)
+    return tf.Qwen3MoeForCausalLM(config)
+
+
+# -- a run under accelerate's torch.compile setting ----------------------------------------------------------------
+COMPILE_VOCAB = 128
+COMPILE_TOKENS = (2, 8)  # 16 tokens per rank: a multiple of 8, as TE's FP8 GEMMs need
+
+
+def fsdp2_fp8_compile_run(rank, world_size, backend: str = "INDUCTOR", steps: int = 3, lr: float = 1e-3) -> dict:
+    """A rank of FSDP2 + FP8 through the patched prepare with accelerate's dynamo setting ``backend`` ("NO": the
+    uncompiled comparison), set as ``accelerate launch`` sets it (``ACCELERATE_DYNAMO_BACKEND``), on
+    :func:`tiny_qwen2` (AdamW, 2 x 8 tokens a rank). Facts: the error, if any (with its type and traceback), the
+    losses, per-step wall time, FP8 GEMM counts (the CPU rehearsal's), dynamo's counters, and the collectives the
+    collective-order audit saw during the steps (None: no audit in this launch). Run by
+    tests/distributed/test_compile_fp8.py and benchmarks/compile_fp8.py."""
+    import time
+    import traceback
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ..diagnostics import collective_order
+    from ..rehearsal import te_on_cpu
+
+    ensure_rehearsal(True)
+    counters.clear()  # dynamo's counters are per process: count this run's compilation only
+    os.environ["ACCELERATE_DYNAMO_BACKEND"] = backend  # what dynamo_config: {dynamo_backend: ...} launches with
+    acc = make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Qwen2DecoderLayer"],
+                           mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                       reduce_dtype=torch.float32))
+    facts = {"dynamo_backend": str(acc.state.dynamo_plugin.backend), "error": None, "losses": [], "step_s": []}
+    model = tiny_qwen2(vocab=COMPILE_VOCAB, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, COMPILE_VOCAB, (world_size,) + COMPILE_TOKENS, generator=g)[rank] for _ in range(steps)]
+    try:
+        model, opt = acc.prepare(model, opt)
+        facts["compiled"] = type(model).__name__
+        facts["fp8_enabled"] = acc.accel_fp8_fix.fp8_enabled
+        te_on_cpu.reset_stats()
+        recorder = collective_order._installed.get("recorder")  # the audit's recorder of this rank
+        audited_before = len(recorder.records) if recorder is not None else None
+        for ids in batches:
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            facts["step_s"].append(time.perf_counter() - t0)
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            facts["losses"].append(float(value) / world_size)
+        facts["audited_collectives"] = len(recorder.records) - audited_before if recorder is not None else None
+    except Exception as exc:  # noqa: BLE001
+        facts["error"] = f"{type(exc).__name__}: {exc}"
+        facts["error_type"] = type(exc).__name__
+        facts["traceback"] = traceback.format_exc().splitlines()[-60:]
+    stats = te_on_cpu.stats()
+    facts["dynamo"] = {"graphs": counters["stats"].get("unique_graphs", 0),
+                       "frames_ok": counters["frames"].get("ok", 0), "frames_total": counters["frames"].get("total", 0),
+                       "graph_breaks": sum(counters["graph_break"].values()),
+                       "break_reasons": sorted(counters["graph_break"])[:8]}
+    facts.update(fp8_gemms_fwd=stats["fp8_gemms_fwd"], fp8_gemms_bwd=stats["fp8_gemms_bwd"],
+                 non_fp8_gemms=stats["non_fp8_gemms"])
+    try:
+        from torch import _dynamo  # (``import torch._dynamo`` would make ``torch`` local to this function)
+
+        _dynamo.reset()
+    except Exception:  # noqa: BLE001
+        pass
+    return facts

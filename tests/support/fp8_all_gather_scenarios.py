@@ -568,7 +568,7 @@ def _moe_model(family):
         torch.manual_seed(0)
         model = tf.Qwen3MoeForCausalLM(config)
     elif family.startswith("qwen3_moe_proportioned"):  # "..._6": 6 experts (uneven over 4 shard ranks: 2, 2, 2, 0)
-        model = moe_scenarios._proportioned_qwen3_moe(experts=int(family.rsplit("_", 1)[1]) if family[-1].isdigit() else 32)
+        model = training.proportioned_qwen3_moe(experts=int(family.rsplit("_", 1)[1]) if family[-1].isdigit() else 32)
     else:
         model = training.zoo_model(family)
     model.config._experts_implementation = "eager"
@@ -636,8 +636,7 @@ def sc_moe(rank, world_size, all_gather="fp8", family="qwen3_moe_proportioned", 
     dtypes, which weights were gathered in FP8 (experts among them) and what the experts' forward received.
     ``tp``: FSDP2 x TP (transformers' packed-colwise / rowwise experts; ``experts_tp="default"``: the family's own
     plan, which leaves them replicated on the TP ranks from transformers 5.25); ``ep``: loaded by transformers with
-    ``DistributedConfig(fsdp_size=world, ep_size=ep)`` (expert parallelism), then accelerate FSDP2. Also per step:
-    the bytes this rank sent into each kind of collective; and the bytes of parameters this rank holds."""
+    ``DistributedConfig(fsdp_size=world, ep_size=ep)`` (expert parallelism), then accelerate FSDP2."""
     import warnings
 
     import torch
@@ -689,15 +688,9 @@ def sc_moe(rank, world_size, all_gather="fp8", family="qwen3_moe_proportioned", 
             opt.step()
             opt.zero_grad()
         gathers = [c for c in spy.calls(layer=None) if "gather" in c.op]
-        by_op = {}
-        for c in spy.calls(layer="dispatch"):
-            kind = next((k for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
-                         if k.replace("_", "") in c.op.replace("_", "")), "other")
-            by_op[kind] = by_op.get(kind, 0) + c.nbytes
         per_step.append({"all_gathered_bytes": sum(c.nbytes for c in gathers),
                          "all_gather_dtypes": sorted({str(c.dtype) for c in gathers}),
-                         "all_reduces": [c.numel for c in spy.calls("all_reduce", top_level=True)],
-                         "bytes_by_op": by_op})
+                         "all_reduces": [c.numel for c in spy.calls("all_reduce", top_level=True)]})
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(float(value) / world_size)
@@ -705,13 +698,9 @@ def sc_moe(rank, world_size, all_gather="fp8", family="qwen3_moe_proportioned", 
         h.remove()
     numel = sum(p.numel() for p in model.parameters())
     expert_numel = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
-    held = {n: getattr(p, "_local_tensor", p) for n, p in model.named_parameters()}
-    param_bytes = sum(t.numel() * t.element_size() for t in held.values())
-    expert_bytes = sum(t.numel() * t.element_size() for n, t in held.items() if n.endswith(("gate_up_proj", "down_proj")))
     _reset_te()
     return {"losses": losses, "grad_norms": norms, "reference": ref[0], "reference_grad_norms": ref[1],
             "per_step": per_step, "model_numel": numel, "expert_share": expert_numel / numel,
-            "param_bytes_held": param_bytes, "expert_bytes_held": expert_bytes,
             "gathered_weights": list(ag.weights) if ag is not None else [],
             "gathered_experts": list(ag.experts) if ag is not None else [],
             "kept": dict(ag.kept) if ag is not None else {},

@@ -25,9 +25,7 @@ MORE_FAMILIES = ("mixtral", "olmoe", "deepseek_v3")
 # FSDP2 in tests/distributed/test_moe_fp8.py (its TP plan shards only the embedding: no FSDP2 x TP case)
 FSDP2_ONLY_FAMILIES = ("gpt_oss",)
 UNIT_FAMILIES = FAMILIES + FSDP2_ONLY_FAMILIES  # the one-process checks of tests/unit/test_moe_experts.py
-DECODER_LAYER = {"qwen3_moe": "Qwen3MoeDecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer",
-                 "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer", "deepseek_v3": "DeepseekV3DecoderLayer",
-                 "gpt_oss": "GptOssDecoderLayer"}
+DECODER_LAYER = {f: training.ZOO_DECODER_LAYER[f] for f in FAMILIES + MORE_FAMILIES + FSDP2_ONLY_FAMILIES}
 LAYOUTS = {"fsdp2": (None, 2, None), "tp": (None, None, 2), "hsdp": (2, 2, None), "fsdp2_tp": (None, 2, 2),
            "fsdp2_one_rank": (None, None, None)}  # (dp_replicate, dp_shard, tp); one rank: FSDP2, no ParallelismConfig
 STEPS = 3
@@ -433,140 +431,8 @@ def _sc_moe(rank, world_size, family, layout, fp8=True, steps=STEPS, experts=Tru
     return facts
 
 
-def _proportioned_qwen3_moe(experts=32):
-    """A Qwen3-MoE with a real model's proportions (Qwen3-30B-A3B: 128 experts, top-8, expert MLP 768 of hidden
-    2048; here 32 experts, top-8, expert MLP 32 of hidden 64, a 256-token vocabulary); ``experts``: another count
-    (top-k at most 8)."""
-    import torch
-    import transformers as tf
-
-    config = tf.Qwen3MoeConfig(vocab_size=zoo_scenarios.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=4, head_dim=16, num_experts=experts, num_experts_per_tok=min(8, max(2, experts // 4)),
-                               moe_intermediate_size=32, decoder_sparse_step=1, max_position_embeddings=64,
-                               tie_word_embeddings=False, attn_implementation="eager")
-    torch.manual_seed(0)
-    return tf.Qwen3MoeForCausalLM(config)
-
-
-class GemmFlops:
-    """FLOPs of a step's GEMMs, split FP8 / high precision: TE's GEMMs (``generic_gemm``, each group of
-    ``te_general_grouped_gemm``) from their operands (2 m n k; FP8 when both operands are TE quantized tensors), every
-    other matmul at the dispatcher (aten mm / addmm / bmm / baddbmm / _grouped_mm, e.g. transformers' experts)."""
-
-    MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
-
-    def __init__(self):
-        self.fp8 = self.high = 0
-        self._inside_te = 0
-
-    @staticmethod
-    def _rows_cols(t):
-        shape = list(t.size())
-        return (int(torch_prod(shape[:-1])), int(shape[-1])) if len(shape) > 1 else (1, int(shape[0]))
-
-    def _te_flops(self, a, transa, b, transb) -> int:
-        (ar, ac), (br, bc) = self._rows_cols(a), self._rows_cols(b)
-        n, k = (ar, ac) if transa else (ac, ar)
-        m = bc if transb else br
-        return 2 * m * n * k
-
-    def _count_te(self, pairs, transa, transb):
-        for a, b in pairs:
-            flops = self._te_flops(a, transa, b, transb)
-            quantized = all(type(t).__module__.startswith("transformer_engine.") for t in (a, b))
-            if quantized:
-                self.fp8 += flops
-            else:
-                self.high += flops
-
-    def _counting(self, original, pairs_of):
-        def gemm(*args, **kwargs):
-            if not self._inside_te:  # the CPU shim's grouped GEMM calls its generic_gemm per group: counted once
-                self._count_te(pairs_of(args), args[1], args[3])
-            self._inside_te += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._inside_te -= 1
-        return gemm
-
-    def wrap(self, tex):
-        """Count TE's GEMMs (a grouped GEMM group by group, empty groups skipped); returns the originals."""
-        saved = {"generic_gemm": tex.generic_gemm, "te_general_grouped_gemm": tex.te_general_grouped_gemm}
-        tex.generic_gemm = self._counting(saved["generic_gemm"], lambda args: [(args[0], args[2])])
-        tex.te_general_grouped_gemm = self._counting(
-            saved["te_general_grouped_gemm"],
-            lambda args: [(a, b) for a, b in zip(args[0], args[2]) if torch_prod(a.size()) and torch_prod(b.size())])
-        return saved
-
-    def mode(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class _Matmuls(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                name = func.overloadpacket.__name__
-                if not counter._inside_te and name in GemmFlops.MATMULS:
-                    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
-                    counter.high += 2 * out.numel() * int(a.shape[-1])
-                return out
-
-        return _Matmuls()
-
-
-def torch_prod(values) -> int:
-    result = 1
-    for v in values:
-        result *= int(v)
-    return result
-
-
-def sc_gemm_share(rank, world_size, experts=True, steps=2):
-    """FP8 share of a training step's GEMM FLOPs on the proportioned Qwen3-MoE prepared by the package under FSDP2
-    (delayed scaling), with the experts on TE grouped GEMMs (``experts=True``) or left to transformers (before this
-    package converted them): FP8 and high-precision GEMM FLOPs of the last step, per rank."""
-    import torch
-
-    import transformer_engine_torch as tex
-
-    scenarios.ensure_rehearsal(True)
-    acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE, wrap_cls=[DECODER_LAYER["qwen3_moe"]])
-    model = _proportioned_qwen3_moe()
-    model.config._experts_implementation = "eager"
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if experts:
-            model, opt = acc.prepare(model, opt)
-        else:
-            from unittest import mock
-
-            with mock.patch("accel_fp8_fix.fixes.convert.te_convert.convert_experts", lambda *a, **k: ([], [])):
-                model, opt = acc.prepare(model, opt)
-    # 8 x 64 tokens a rank: ~128 rows an expert (top-8 of 32), so FP8's padding to 16 rows is a few percent, as
-    # at real batch sizes (a tiny batch would pad most of each expert's GEMM)
-    ids = torch.randint(0, zoo_scenarios.VOCAB, (8, 64), generator=torch.Generator().manual_seed(11 + rank))
-    data = {"input_ids": ids, "labels": ids.clone()}
-    for step in range(steps):
-        counter = GemmFlops()
-        saved = counter.wrap(tex) if step == steps - 1 else None
-        try:
-            with counter.mode() if saved else contextlib.nullcontext():
-                acc.backward(model(**data).loss)
-                opt.step()
-                opt.zero_grad()
-        finally:
-            if saved:
-                tex.generic_gemm, tex.te_general_grouped_gemm = saved["generic_gemm"], saved["te_general_grouped_gemm"]
-    fp8_scenarios.reset_te_global_state()
-    return {"fp8_flops": counter.fp8, "high_flops": counter.high, "experts": list(acc.accel_fp8_fix.conversion.experts),
-            "tokens": int(data["input_ids"].numel())}
-
-
 def sc_proportioned_coverage(rank, world_size):
-    """The demo line's figure on a Qwen3-MoE with a real model's proportions (``_proportioned_qwen3_moe``),
+    """The demo line's figure on a Qwen3-MoE with a real model's proportions (``training.proportioned_qwen3_moe``),
     prepared by the package under FSDP2: ``audit(model).coverage`` after one FP8 step, and what the coverage
     warning at ``prepare`` said."""
     import torch
@@ -575,7 +441,7 @@ def sc_proportioned_coverage(rank, world_size):
 
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", fp8_recipe=fp8_scenarios.RECIPE, wrap_cls=[DECODER_LAYER["qwen3_moe"]])
-    model = _proportioned_qwen3_moe()
+    model = training.proportioned_qwen3_moe()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

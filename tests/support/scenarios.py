@@ -33,6 +33,8 @@ from accel_fp8_fix.testing.training import DIM, block_stack, dense_batch, tiny_l
 from accel_fp8_fix.testing.training import ENV_FIXED, ENV_REHEARSAL, ENV_STOCK, ensure_te_on_cpu  # noqa: F401
 from accel_fp8_fix.testing.training import ensure_rehearsal
 from accel_fp8_fix.testing.training import make_accelerator, reset_accelerate, reset_te_global_state, train, train_reference
+from accel_fp8_fix.testing.training import experts_tp_plan, load_sharded_by_transformers  # noqa: F401
+from accel_fp8_fix.testing.training import shard_tp as shard_llama_tp  # noqa: F401  (the suite's name)
 
 # cuBLASLt's per-tensor FP8 GEMMs on Hopper need every leading dimension a multiple of 16 (TE's
 # cublaslt_gemm.cu:159-163; a wgrad's is the rank's token count): TE's own Python checks only a multiple of 8.
@@ -136,43 +138,6 @@ def _torch():
     import torch
 
     return torch
-
-
-def shard_llama_tp(model, mesh_tp, experts: str = "default"):
-    """Shard ``model`` with transformers 5.x tensor parallelism on ``mesh_tp`` (1-D, on its own ranks).
-
-    Uses ``transformers.distributed.tensor_parallel.apply_tensor_parallelism`` with the model's own TP plan
-    (``from_pretrained(tp_plan=...)`` shards over the whole world on CPU, docs/failures.md A18) and records the
-    TP degree where accelerate's ``get_model_tp_size`` looks (``model.tp_size`` -> ``model._tp_size``).
-    ``experts="tp"``: packed experts TP-sharded by transformers' ``moe_tp_experts`` (:func:`experts_tp_plan`) —
-    the default plans' rule up to 5.24, an explicit one from 5.25; ``"default"``: the model's own plan (5.25's
-    leaves the experts replicated on the TP ranks).
-    """
-    from transformers.distributed.configuration_utils import DistributedConfig
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-    tp_size = mesh_tp.size()
-    plan = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_size))[0]
-    if experts == "tp":
-        plan = {**plan, **experts_tp_plan(model)}
-    elif experts != "default":
-        raise ValueError(f"experts={experts!r}: 'default' or 'tp'")
-    apply_tensor_parallelism(model, mesh_tp, plan)
-    model._tp_size = tp_size
-    return model
-
-
-def experts_tp_plan(model) -> dict:
-    """transformers' expert TP rules for every ``[E, out, in]`` packed-experts module of ``model``: ``packed_colwise``
-    gate_up_proj, ``rowwise`` down_proj, ``moe_tp_experts`` on the module (Qwen3-MoE's and Mixtral's default plans
-    up to 5.24; deprecated from 5.25, "removal in v5.28.0")."""
-    plan = {}
-    for name, module in model.named_modules():
-        gate_up = module._parameters.get("gate_up_proj")
-        if gate_up is not None and gate_up.dim() == 3 and not getattr(module, "is_transposed", False):
-            plan.update({f"{name}.gate_up_proj": "packed_colwise", f"{name}.down_proj": "rowwise",
-                         name: "moe_tp_experts"})
-    return plan
 
 
 # -- facts ------------------------------------------------------------------------------------------------
@@ -396,32 +361,6 @@ def _prepare_and_train_llama(acc, model, facts, steps, lr, reference=True):
     facts.update(param_facts(model))
     facts.update(_train_and_compare(acc, model, opt, _lm, steps, tiny_llama, lr, reference))
     return facts
-
-
-def load_sharded_by_transformers(model, tp_size: int, fsdp_size: int, ep_size: int | None = None):
-    """N-D loading as transformers 5.x documents it: ``from_pretrained(path, distributed_config=
-    DistributedConfig(tp_size, fsdp_size[, ep_size]))`` — transformers applies TP (or EP) *and* FSDP2 at load, on a
-    mesh of its own. ``model`` is saved first by rank 0 (transformers saves and reads on rank 0 only) in a folder all
-    ranks share."""
-    import shutil
-    import tempfile
-
-    import torch.distributed as dist
-    from transformers import DistributedConfig
-
-    path = [tempfile.mkdtemp(prefix="accel_fp8_fix_nd_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    path = path[0]
-    try:
-        model.save_pretrained(path)  # rank 0 writes
-        dist.barrier()
-        config = DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size,
-                                   **({"ep_size": ep_size} if ep_size is not None else {}))
-        return type(model).from_pretrained(path, distributed_config=config, dtype=model.dtype)
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 # transformers' own meshes after DistributedConfig(tp_size=2, fsdp_size=2): parameters its TP plan shards on

@@ -29,9 +29,7 @@ LAYOUTS = {"fsdp2": (None, 4, None), "tp": (None, None, 4), "fsdp2_tp": (None, 2
            "fsdp2_tp_loaded": (None, 2, 2)}
 # sharded at load by transformers (DistributedConfig(tp_size, fsdp_size): its TP and its FSDP2), not by the test
 LOADED = {"fsdp2_tp_loaded"}
-DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
-                 "gemma3": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
-                 "exaone4": "Exaone4DecoderLayer"}
+DECODER_LAYER = {f: training.ZOO_DECODER_LAYER[f] for f in FAMILIES}
 
 
 def batch(rank_slice=None):
@@ -104,19 +102,8 @@ def _prepared(family, layout, seed, precision, recipe=None):
 
 
 def _data_rank(acc, layout):
-    """(this rank's index among the data-parallel ranks, their number)."""
-    mesh = acc.torch_device_mesh
-    if mesh is None:  # one rank, no ParallelismConfig
-        return 0, 1
-    names = [n for n in ("dp_replicate", "dp_shard") if n in mesh.mesh_dim_names]
-    if not names:
-        return 0, 1
-    dp = mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
-    coords = dp.get_coordinate()
-    index = 0
-    for dim, coord in enumerate(coords):
-        index = index * dp.size(dim) + coord
-    return index, dp.size()
+    """(this rank's index among the data-parallel ranks, their number): ``training.data_rank``."""
+    return training.data_rank(acc)
 
 
 def _full(param):

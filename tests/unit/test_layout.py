@@ -558,10 +558,10 @@ def test_nothing_the_wheel_keeps_imports_the_suite_machinery():
 # -- the benchmarks import the shared harness by name (issue 46 item 3) ---------------------------------------------
 # What the suite and the benchmarks share lives in the package (accel_fp8_fix/testing/training.py): a benchmark imports
 # it by name, never edits sys.path or reaches into the suite's tests/ (``support``). NOT_YET_BY_NAME: benchmarks that
-# still launch whole scenario modules of tests/support/ (large and test-only: FP8 all-gather, MoE, compile); the list
+# still launch whole scenario modules of tests/support/ (large and test-only: the FP8 all-gather's); the list
 # only shrinks (one that stops reaching in must leave it).
 BENCHMARKS = PACKAGE.parent / "benchmarks"
-NOT_YET_BY_NAME = frozenset({"compile_fp8.py", "fp8_all_gather.py", "moe_fp8_share.py", "moe_layouts.py"})
+NOT_YET_BY_NAME = frozenset({"fp8_all_gather.py"})
 
 
 def _reaches_into_the_suite(tree: ast.Module, path) -> list[str]:
