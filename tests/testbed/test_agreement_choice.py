@@ -63,3 +63,28 @@ def test_every_eligible_scenario_is_chosen_on_some_day(records):
     eligible = {(file, name) for file, launches in records.items() for launch in launches
                 for name, _ in launch["plan"] if not name.startswith("save")}
     assert seen == eligible
+
+
+def test_every_scenario_of_a_plan_starts_with_te_global_state_empty(monkeypatch):
+    """TE's global amax buffers keep every module that ran under its autocast: run_plan empties them before each
+    scenario (as a pool does between runs), so a scenario's facts do not depend on the ones before it in its plan —
+    the pooled-equals-fresh check found sc_train's amax all-reduce 3x its size after two earlier scenarios."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from support import scenarios
+
+    buffer = {}  # stands for FP8GlobalStateManager.global_amax_buffer
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", ModuleType("transformer_engine.pytorch"))
+    monkeypatch.setattr(scenarios, "reset_te_global_state", buffer.clear)
+    monkeypatch.setattr(scenarios, "reset_accelerate", lambda: None)
+    monkeypatch.setattr(scenarios, "meta_facts", lambda: {})
+
+    def sc_one_module(rank, world_size, name):
+        seen = sorted(buffer)
+        buffer[name] = [rank]  # a module's amax, left behind as TE leaves it
+        return {"found": seen}
+
+    plan = [("sc_one_module", {"name": "a"}), ("sc_one_module", {"name": "b"}), ("sc_one_module", {"name": "c"})]
+    out = scenarios.run_plan(SimpleNamespace(sc_one_module=sc_one_module), 0, 1, plan)
+    assert [out[key]["found"] for key in scenarios.result_keys(plan)] == [[], [], []]
