@@ -538,6 +538,7 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
 
     from accel_fp8_fix.fixes.convert.fp8_autocast import te_autocast
     from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
+    from accel_fp8_fix.internals.transformer_engine.modules import take_fsdp2_weight_path
 
     scenarios.ensure_rehearsal(True)
     acc = scenarios.make_accelerator(fsdp=True, mixed_precision="fp8", wrap_cls=["Block"], fp8_recipe=MXFP8_RECIPE,
@@ -548,9 +549,7 @@ def sc_fsdp2_mxfp8_train(rank, world_size, steps=4):
     # the reference: same model and recipe, whole batch, one process (TE's FSDP2 weight path, as the ranks)
     ref_model = training.block_stack(seed=0)
     convert_after_sharding(ref_model, te, dim_multiple=32)  # head (64 -> 16) stays high precision, as on the ranks
-    for module in ref_model.modules():
-        if hasattr(module, "fp8_meta"):
-            module._is_fsdp2 = True
+    take_fsdp2_weight_path(ref_model)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=LR)
     recipe = te_recipe.MXFP8BlockScaling(fp8_format=te_recipe.Format.E4M3)
     reference = []

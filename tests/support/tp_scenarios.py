@@ -39,19 +39,13 @@ def _reference_losses(steps=STEPS, fsdp2=False, max_norm=CLIP, intermediate=None
     to ``max_norm``: (losses, grad norms before clipping). ``fsdp2``: the TE modules take TE's FSDP2 weight path,
     as the ranks do."""
     import transformer_engine.common.recipe as te_recipe
-    import transformer_engine.pytorch as te
 
-    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
-
-    model = training.tiny_llama(seed=0, **_sizes(intermediate))
-    convert_after_sharding(model, te, exclude=tuple(keep))
-    for module in model.modules():
-        if fsdp2 and hasattr(module, "fp8_meta"):
-            module._is_fsdp2 = True
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max",
                                       reduce_amax=False)
     data = _batch()
-    return train_reference(lambda: model, lambda m: m(**data).loss, steps=steps, lr=LR, max_norm=max_norm, recipe=recipe)
+    return train_reference(lambda: training.tiny_llama(seed=0, **_sizes(intermediate)), lambda m: m(**data).loss,
+                           steps=steps, lr=LR, max_norm=max_norm, recipe=recipe, convert={"exclude": tuple(keep)},
+                           fsdp2_weight_path=fsdp2)
 
 
 def _sizes(intermediate):

@@ -82,21 +82,18 @@ def dataset():
 def reference(steps: int = STEPS, family: str = "llama"):
     """One process, full batch, the model converted to TE (lm_head kept, as on the ranks), SGD with the clip the
     Trainer applies: (losses, grad norms before clipping)."""
-    import transformer_engine.pytorch as te
-
     from accel_fp8_fix.fixes.convert.fp8_shapes import weight_multiple
-    from accel_fp8_fix.fixes.convert.te_convert import convert_after_sharding
 
-    model = training.zoo_model(family)
-    model.config._experts_implementation = "eager"
+    def build():
+        model = training.zoo_model(family)
+        model.config._experts_implementation = "eager"
+        return model
+
     recipe = training.zoo_recipe()
-    convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(recipe))
-    for module in model.modules():
-        if hasattr(module, "fp8_meta"):
-            module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
     data = zoo_scenarios.batch()
-    return train_reference(lambda: model, lambda m: m(**data).loss, steps=steps, lr=zoo_scenarios.LR, max_norm=CLIP,
-                           recipe=recipe)
+    return train_reference(build, lambda m: m(**data).loss, steps=steps, lr=zoo_scenarios.LR, max_norm=CLIP,
+                           recipe=recipe, convert={"exclude": ("lm_head",), "dim_multiple": weight_multiple(recipe)},
+                           fsdp2_weight_path=True)
 
 
 def _arguments(per_device: int, use_cpu: bool = False):

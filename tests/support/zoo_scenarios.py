@@ -14,6 +14,7 @@ import os
 from accel_fp8_fix.testing import training
 from accel_fp8_fix.testing.training import ZOO_FAMILIES as FAMILIES, ZOO_MOE_ONLY as MOE_ONLY  # noqa: F401  (the suite's)
 from accel_fp8_fix.testing.training import ZOO_VOCAB as VOCAB
+from accel_fp8_fix.internals.transformer_engine.modules import take_fsdp2_weight_path
 from accel_fp8_fix.testing.training import train_reference
 
 from . import fp8_scenarios
@@ -57,9 +58,8 @@ def reference(family: str, fsdp2: bool, steps: int = STEPS, fp8: bool = True, re
     te_recipe = training.zoo_recipe(recipe)
     converted = sorted(convert_after_sharding(model, te, exclude=("lm_head",), dim_multiple=weight_multiple(te_recipe),
                                               moe_experts=moe_experts).converted) if fp8 else []
-    for module in model.modules():
-        if fsdp2 and hasattr(module, "fp8_meta"):
-            module._is_fsdp2 = True  # TE's FSDP2 weight path, as on the ranks
+    if fsdp2:
+        take_fsdp2_weight_path(model)  # TE's FSDP2 weight path, as on the ranks
     small_grads, data = {}, batch()
     losses, norms = train_reference(lambda: model, lambda m: m(**data).loss, steps=steps, lr=LR, max_norm=1e9,
                                     recipe=te_recipe, fp8=fp8,
